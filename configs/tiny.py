@@ -20,6 +20,6 @@ MODEL = ModelConfig(
 CONFIG = Config(
     name="tiny",
     model=MODEL,
-    cache=CacheConfig(offload=False, kv_format="bf16", page_size=16),
+    cache=CacheConfig(offload=False, kv_format="f32", page_size=16),
     engine=EngineConfig(max_batch_size=4, max_context_len=512, prefill_chunk=64),
 )

@@ -160,7 +160,8 @@ class CacheConfig:
     offload:           latent cache in host memory (True) or all on device (False).
     storage:           host memory kind for the latent pool, or "file" (memory-mapped
                        file under storage_path).
-    kv_format:         latent row format: "fp8" (656-byte FlashMLA layout) or "bf16" (1152 B).
+    kv_format:         latent row format: "fp8" (656-byte FlashMLA layout), "bf16" (1152 B),
+                       or "f32" (unquantised f32 rows, for fp32 parity tests).
     page_size:         tokens per host page; pages have exactly one owning request.
     staging_capacity:  hot-buffer rows per request per layer (device). Must be at least
                        index_topk * (1 + num_draft_tokens); 0 means "that minimum".
@@ -188,7 +189,7 @@ class CacheConfig:
         _one_of(self, p, "storage", ("pinned_host", "unpinned_host", "file"))
         _check(self.storage != "file" or bool(self.storage_path), f"{p}.storage_path",
                self.storage_path, "a directory path when cache.storage='file'")
-        _one_of(self, p, "kv_format", ("bf16", "fp8"))
+        _one_of(self, p, "kv_format", ("bf16", "f32", "fp8"))
         _one_of(self, p, "eviction", ("lru", "fifo"))
         _one_of(self, p, "fetch_path", ("auto", "in_jit", "host_driven"))
         _one_of(self, p, "indexer_key_format", ("bf16", "fp8"))
@@ -274,7 +275,7 @@ class Config:
         m = self.model
         if self.cache.kv_format == "fp8":
             return m.kv_lora_rank + 4 * (m.kv_lora_rank // 128) + 2 * m.qk_rope_head_dim
-        return 2 * m.latent_dim
+        return (4 if self.cache.kv_format == "f32" else 2) * m.latent_dim
 
     @property
     def indexer_key_bytes(self) -> int:
