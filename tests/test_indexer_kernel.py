@@ -1,0 +1,115 @@
+"""Lightning-indexer kernel == plain-jnp reference, in Pallas interpret mode on CPU.
+
+Both kernel variants run here: the Triton-style one (lengths as a normal input) and the
+Mosaic-style one (lengths in SMEM, clamped key index map, integer fp8 decode). Random
+float inputs make exact score ties improbable, so top-k is compared as sets of positions
+and the sorted scores must agree.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jlco.pallas import indexer as ix
+
+STYLES = ("triton", "mosaic")
+
+
+def _inputs(seed, *, b, s_q, h, d, length, key_format, q_dtype=jnp.float32):
+    rng = np.random.default_rng(seed)
+    q = jnp.asarray(rng.standard_normal((b, s_q, h, d)), q_dtype)
+    w = jnp.asarray(rng.standard_normal((b, s_q, h)) * (h * d) ** -0.5, jnp.float32)
+    keys = rng.standard_normal((b, length, d)).astype(np.float32)
+    if key_format == "fp8":
+        k = jnp.asarray(keys).astype(jnp.float8_e4m3fn)
+        k = jax.lax.bitcast_convert_type(k, jnp.uint8)
+        scale = jnp.asarray(2.0 ** rng.integers(-3, 3, (b, length)), jnp.float32)
+        return q, w, k, scale
+    kdt = jnp.bfloat16 if key_format == "bf16" else jnp.float32
+    return q, w, jnp.asarray(keys, kdt), None
+
+
+def _check(out, ref, lengths, s_q, topk):
+    (idx, sc), (ridx, rsc) = [jax.tree.map(np.asarray, x) for x in (out, ref)]
+    assert idx.dtype == np.int32 and idx.shape == ridx.shape
+    for b in range(idx.shape[0]):
+        for t in range(s_q):
+            p = int(lengths[b]) - s_q + t
+            n_valid = max(0, min(topk, p + 1))
+            got, want = idx[b, t], ridx[b, t]
+            assert (got[n_valid:] == -1).all() and np.isneginf(sc[b, t, n_valid:]).all()
+            assert ((got[:n_valid] >= 0) & (got[:n_valid] <= p)).all(), "causality broken"
+            assert set(got[:n_valid].tolist()) == set(want[:n_valid].tolist())
+            np.testing.assert_allclose(sc[b, t, :n_valid], rsc[b, t, :n_valid],
+                                       rtol=2e-5, atol=2e-5)
+
+
+CASES = [  # (b, s_q, h, d, length, lengths, topk, key_format, block_n)
+    (3, 1, 16, 64, 384, [384, 200, 0], 64, "f32", 128),
+    (3, 3, 4, 32, 256, [256, 17, 2], 40, "f32", 128),
+    (2, 2, 24, 64, 200, [200, 131], 32, "bf16", 128),
+    (2, 3, 8, 128, 512, [511, 300], 96, "fp8", 256),
+    (2, 1, 64, 128, 256, [256, 5], 300, "bf16", 128),
+]
+
+
+@pytest.mark.parametrize("style", STYLES)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"b{c[0]}sq{c[1]}h{c[2]}{c[7]}")
+def test_kernel_matches_ref(style, case):
+    b, s_q, h, d, length, lengths, topk, fmt, block_n = case
+    q, w, k, scale = _inputs(sum(map(ord, fmt)) + h, b=b, s_q=s_q, h=h, d=d, length=length,
+                             key_format=fmt)
+    lengths = jnp.asarray(lengths, jnp.int32)
+    key_format = "fp8" if fmt == "fp8" else "bf16"
+    ref = ix.indexer_topk_ref(q, w, k, lengths, topk, k_scale=scale, key_format=key_format)
+    out = ix.indexer_topk(q, w, k, lengths, topk, k_scale=scale, key_format=key_format,
+                          block_n=block_n, backend=style, interpret=True)
+    _check(out, ref, lengths, s_q, topk)
+
+
+def test_auto_backend_on_cpu_runs_interpret_kernel():
+    q, w, k, _ = _inputs(7, b=2, s_q=2, h=8, d=32, length=128, key_format="f32")
+    lengths = jnp.asarray([128, 60], jnp.int32)
+    ref = ix.indexer_topk_ref(q, w, k, lengths, 16)
+    out = ix.indexer_topk(q, w, k, lengths, 16)
+    _check(out, ref, lengths, 2, 16)
+
+
+def test_scores_mask_future_and_empty_slots():
+    q, w, k, _ = _inputs(3, b=2, s_q=3, h=4, d=16, length=128, key_format="f32")
+    lengths = jnp.asarray([10, 0], jnp.int32)
+    scores = np.asarray(ix.indexer_scores(q, w, k, lengths, backend="mosaic", interpret=True))
+    for t in range(3):
+        p = 10 - 3 + t
+        assert np.isfinite(scores[0, t, :p + 1]).all()
+        assert np.isneginf(scores[0, t, p + 1:]).all()
+    assert np.isneginf(scores[1]).all()
+    idx, sc = ix.indexer_topk(q, w, k, lengths, 8, backend="triton", interpret=True)
+    assert (np.asarray(idx[1]) == -1).all() and np.isneginf(np.asarray(sc[1])).all()
+
+
+def test_fp8_every_code_decodes_like_xla():
+    """The Mosaic path decodes e4m3 bytes with integer ops; all 254 finite codes must give
+    XLA's float8 conversion (NaN codes 0x7f/0xff excluded)."""
+    codes = np.array([c for c in range(256) if c not in (0x7F, 0xFF)], np.int32)
+    want = jax.lax.bitcast_convert_type(jnp.asarray(codes, jnp.uint8), jnp.float8_e4m3fn)
+    got = ix._decode_e4m3(jnp.asarray(codes))
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want.astype(jnp.float32)))
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(weights=jnp.zeros((1, 1, 3))), "weights"),
+    (dict(k_cache=jnp.zeros((1, 8, 16), jnp.uint8)), "k_cache"),
+    (dict(lengths=jnp.zeros((2,), jnp.int32)), "lengths"),
+    (dict(key_format="fp4"), "key_format"),
+    (dict(topk=0), "topk"),
+    (dict(backend="cuda"), "backend"),
+    (dict(key_format="fp8", k_cache=jnp.zeros((1, 8, 16), jnp.uint8)), "k_scale"),
+])
+def test_bad_inputs_name_the_argument(bad, match):
+    args = dict(q=jnp.zeros((1, 1, 4, 16)), weights=jnp.zeros((1, 1, 4)),
+                k_cache=jnp.zeros((1, 8, 16)), lengths=jnp.ones((1,), jnp.int32), topk=4)
+    args.update(bad)
+    with pytest.raises(ValueError, match=match):
+        ix.indexer_topk(**args, interpret=True)
