@@ -243,3 +243,72 @@ def test_not_a_checkpoint(tmp_path):
         load_hf_checkpoint(tmp_path, progress=False)
     with pytest.raises(CheckpointError, match="dtype="):
         load_hf_checkpoint(tmp_path, dtype=np.float16)
+
+
+# ----------------------------------------------------------------------------- Orbax
+
+
+def _tiny_cfg():
+    from jlco.config import load_config
+    return load_config(ROOT / "configs/tiny.py").model
+
+
+def _state_like_model(dtype_a="bfloat16", rows=5):
+    """An nnx state shaped like the model's: nested modules, an nnx.List of layers, bf16
+    and f32 leaves (stand-in where the real model is not needed)."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    class Layer(nnx.Module):
+        def __init__(self, rngs):
+            self.proj = nnx.Linear(4, 6, rngs=rngs)
+            self.norm = nnx.Param(jnp.linspace(0.5, 1.5, 6, dtype=jnp.float32))
+
+    class Model(nnx.Module):
+        def __init__(self, rngs):
+            self.embed = nnx.Embed(rows, 4, param_dtype=getattr(jnp, dtype_a), rngs=rngs)
+            self.layers = nnx.List([Layer(rngs) for _ in range(2)])
+
+    return nnx.eval_shape(lambda: Model(nnx.Rngs(0))), Model(nnx.Rngs(3))
+
+
+def _assert_same_leaves(a, b):
+    import jax
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    assert len(la) == len(lb) > 0
+    for x, y in zip(la, lb):
+        assert x.dtype == y.dtype and x.shape == y.shape
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_orbax_round_trip_exact(tmp_path):
+    from flax import nnx
+    cfg = _tiny_cfg()
+    abstract, model = _state_like_model()
+    state = nnx.state(model)
+    save_orbax(tmp_path / "o", cfg, state)
+    got_cfg, got = restore_orbax(tmp_path / "o", nnx.state(abstract))
+    assert got_cfg == cfg and isinstance(got, nnx.State)
+    assert got["embed"]["embedding"][...].dtype == ml_dtypes.bfloat16
+    _assert_same_leaves(got, state)
+    pure = nnx.to_pure_dict(state)
+    save_orbax(tmp_path / "p", cfg, pure)
+    _, got_pure = restore_orbax(tmp_path / "p", nnx.to_pure_dict(nnx.state(abstract)))
+    _assert_same_leaves(got_pure, pure)
+    with pytest.raises(CheckpointError, match="already holds a checkpoint"):
+        save_orbax(tmp_path / "o", cfg, state)
+
+
+def test_orbax_restore_enforces_dtype_and_shape(tmp_path):
+    from flax import nnx
+    _, model = _state_like_model()
+    save_orbax(tmp_path / "o", _tiny_cfg(), nnx.state(model))
+    f32_abstract, _ = _state_like_model(dtype_a="float32")
+    with pytest.raises(CheckpointError, match=r"leaf 'embed/embedding': checkpoint "
+                                              r"bfloat16\[5, 4\], model float32\[5, 4\]"):
+        restore_orbax(tmp_path / "o", nnx.state(f32_abstract))
+    bigger, _ = _state_like_model(rows=7)
+    with pytest.raises(CheckpointError, match=r"leaf 'embed/embedding'.*model bfloat16\[7, 4\]"):
+        restore_orbax(tmp_path / "o", nnx.state(bigger))
+    with pytest.raises(CheckpointError, match="jlco_checkpoint.json"):
+        restore_orbax(tmp_path)

@@ -1,0 +1,66 @@
+"""Convert a Hugging Face DeepSeek-V3.2 checkpoint to a jlco Orbax checkpoint.
+
+  python -m jlco.convert --checkpoint HF_DIR --output OUT_DIR [--dtype bfloat16|float32]
+
+fp8 block-scaled weights are dequantised on the way (jlco keeps weights in one dtype);
+the MTP layer is kept when the checkpoint has one. The Orbax directory restores without
+re-validating names and without the dequantisation pass, which is why serving reads it.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import ml_dtypes
+import numpy as np
+from absl import app, flags
+
+from jlco.checkpoint import load_hf_checkpoint, save_orbax
+
+_DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float32": np.float32}
+
+flags.DEFINE_string("checkpoint", None, "Hugging Face checkpoint directory (config.json + "
+                    "model.safetensors or model.safetensors.index.json)", required=True)
+flags.DEFINE_string("output", None, "new directory for the Orbax checkpoint", required=True)
+flags.DEFINE_enum("dtype", "bfloat16", list(_DTYPES), "weight dtype of the converted model")
+flags.DEFINE_bool("progress", True, "show tqdm progress on stderr")
+FLAGS = flags.FLAGS
+
+
+def convert(checkpoint: str, output: str, dtype: str = "bfloat16", progress: bool = True) -> dict:
+    """HF dir → Orbax dir; returns the summary that `main` prints."""
+    import jax
+    from flax import nnx
+    from jlco.weights import model_from_hf
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype={dtype!r} is invalid: allowed {', '.join(map(repr, _DTYPES))}")
+    t0 = time.perf_counter()
+    ck = load_hf_checkpoint(checkpoint, dtype=_DTYPES[dtype], progress=progress,
+                            cfg_overrides={"dtype": dtype})
+    model = model_from_hf(ck.config, ck.tensors, mtp=ck.has_mtp)
+    n_tensors, hf_bytes = len(ck.tensors), ck.nbytes
+    del ck.tensors
+    state = nnx.state(model)
+    out = save_orbax(output, ck.config, state, tokenizer_dir=checkpoint)
+    leaves = jax.tree.leaves(state)
+    return {"checkpoint": str(ck.path), "output": str(out), "dtype": dtype,
+            "hf_tensors": n_tensors, "hf_bytes": hf_bytes, "leaves": len(leaves),
+            "bytes": int(sum(x.nbytes for x in leaves)), "mtp": ck.has_mtp,
+            "tokenizer": ck.tokenizer_path is not None,
+            "seconds": round(time.perf_counter() - t0, 2)}
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    s = convert(FLAGS.checkpoint, FLAGS.output, FLAGS.dtype, FLAGS.progress)
+    print(f"converted {s['hf_tensors']} HF tensors ({s['hf_bytes'] / 2**20:.1f} MiB) -> "
+          f"{s['leaves']} {s['dtype']} leaves ({s['bytes'] / 2**20:.1f} MiB) in {s['output']}; "
+          f"MTP: {'yes' if s['mtp'] else 'no'}; tokenizer: {'yes' if s['tokenizer'] else 'no'};"
+          f" {s['seconds']} s")
+    print(json.dumps(s))
+
+
+if __name__ == "__main__":
+    app.run(main)
