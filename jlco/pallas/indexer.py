@@ -245,9 +245,9 @@ def indexer_scores(q, weights, k_cache, lengths, *, k_scale=None, key_format="bf
 
     with jax.named_scope("indexer_scores"):
         if backend == "triton":
-            return run("triton", "cuda", interpret)
+            return run("triton", "cpu" if interpret else "cuda", interpret)
         if backend == "mosaic":
-            return run("mosaic", "tpu", interpret)
+            return run("mosaic", "cpu" if interpret else "tpu", interpret)
         if interpret:
             return run("triton", "cpu", True)
         return jax.lax.platform_dependent(

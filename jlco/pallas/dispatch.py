@@ -1,0 +1,114 @@
+"""The one place where the model's two custom ops pick an implementation.
+
+  impl="auto"    one jitted program; `lax.platform_dependent` lowers it to the Triton kernel
+                 for cuda, the Mosaic kernel for tpu and the interpret-mode kernel elsewhere
+                 (CPU), so tests on CPU run the same kernel code the accelerators compile.
+  impl="xla"     the plain-jnp `*_ref` of each kernel: the fallback when a kernel
+                 misbehaves on new hardware, and the baseline the benchmark compares to.
+  impl="pallas"  the accelerator kernel; lowering for a platform without one (CPU) fails
+                 with an error that says so, instead of silently interpreting.
+
+Block sizes come from `tuning.lookup`, per platform branch, never from the call site.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+from jax.extend.core import Primitive
+from jax.interpreters import mlir
+
+from jlco.pallas import indexer as ix
+from jlco.pallas import sparse_mla as smla
+from jlco.pallas import tuning
+
+IMPLS = ("auto", "xla", "pallas")
+
+_no_kernel_p = Primitive("jlco_no_pallas_kernel")
+_no_kernel_p.def_abstract_eval(lambda x, *, op: x)
+
+
+def _no_kernel_lowering(ctx, x, *, op):
+    platforms = ", ".join(ctx.module_context.platforms)
+    raise ValueError(f"{op}: impl='pallas' has no Pallas kernel for platform {platforms} "
+                     f"(kernels exist for cuda and tpu); use impl='auto' (interpret mode "
+                     f"off-accelerator) or impl='xla'")
+
+
+mlir.register_lowering(_no_kernel_p, _no_kernel_lowering)
+
+
+def _check_impl(impl):
+    if impl not in IMPLS:
+        raise ValueError(f"impl={impl!r} is invalid: allowed {IMPLS}")
+
+
+def _per_platform(op, kernel_for, ref, impl):
+    """platform_dependent over kernels; `kernel_for(platform)` builds a zero-arg branch."""
+    if impl == "auto":
+        default = kernel_for("cpu")
+    else:
+        def default():
+            return jax.tree.map(functools.partial(_no_kernel_p.bind, op=op), ref())
+    return jax.lax.platform_dependent(cuda=kernel_for("cuda"), tpu=kernel_for("tpu"),
+                                      default=default)
+
+
+def _fit_block_h(block_h, heads, platform):
+    """Tuned heads-per-program narrowed to this call: it must divide `heads` (Triton also
+    needs a power of two >= 16); None lets the kernel choose (it pads small head counts)."""
+    b = block_h
+    while b >= 1 and heads % b:
+        b //= 2
+    if b < 1 or (platform == "cuda" and b < 16):
+        return None
+    return b
+
+
+@functools.partial(jax.jit, static_argnames=("softmax_scale", "kv_format", "d_rope", "impl"))
+def sparse_mla(q, kv_cache, indices, softmax_scale, *, kv_format, d_rope, impl="auto"):
+    """Absorbed sparse MLA decode: (out [b, s_q, h, d_nope], lse [b, s_q, h]); see
+    `jlco.pallas.sparse_mla` for the contract."""
+    _check_impl(impl)
+    args = (q, kv_cache, indices, softmax_scale)
+    kw = dict(kv_format=kv_format, d_rope=d_rope)
+    ref = functools.partial(smla.sparse_mla_decode_ref, *args, **kw)
+    if impl == "xla":
+        return ref()
+    heads = q.shape[2]
+    topk_pow2 = max(16, 1 << (indices.shape[2] - 1).bit_length())
+    backend = {"cuda": "triton", "tpu": "mosaic_tpu", "cpu": "triton"}
+
+    def kernel_for(platform):
+        blocks = tuning.lookup("sparse_mla", platform=platform, dtype=kv_format, heads=heads)
+        extra = {k: blocks[k] for k in ("num_warps", "num_stages") if k in blocks}
+        return functools.partial(
+            smla.sparse_mla_decode, *args, **kw, backend=backend[platform],
+            interpret=platform == "cpu", block_k=min(blocks["block_k"], topk_pow2),
+            block_h=_fit_block_h(blocks["block_h"], heads, platform), **extra)
+
+    with jax.named_scope("dispatch_sparse_mla"):
+        return _per_platform("sparse_mla", kernel_for, ref, impl)
+
+
+@functools.partial(jax.jit, static_argnames=("topk", "key_format", "impl"))
+def indexer_topk(q, weights, k_cache, lengths, topk, *, k_scale=None, key_format="bf16",
+                 impl="auto"):
+    """Lightning-indexer top-k: (indices [b, s_q, topk] int32, scores [b, s_q, topk] f32);
+    see `jlco.pallas.indexer` for the contract."""
+    _check_impl(impl)
+    args = (q, weights, k_cache, lengths, topk)
+    kw = dict(k_scale=k_scale, key_format=key_format)
+    ref = functools.partial(ix.indexer_topk_ref, *args, **kw)
+    if impl == "xla":
+        return ref()
+    backend = {"cuda": "triton", "tpu": "mosaic", "cpu": "triton"}
+
+    def kernel_for(platform):
+        # indexer.py reads tuning.lookup for `platform` itself (block_n=None).
+        return functools.partial(ix.indexer_topk, *args, **kw, backend=backend[platform],
+                                 interpret=platform == "cpu")
+
+    with jax.named_scope("dispatch_indexer_topk"):
+        return _per_platform("indexer_topk", kernel_for, ref, impl)
