@@ -97,3 +97,11 @@ def test_bad_arguments_are_named():
         HostLatentPool(1, 1, 1, 0)
     with HostLatentPool(2, 1, 1, 1) as pool, pytest.raises(ValueError, match="layer=2"):
         pool.write(2, [0], jnp.zeros((1, 1), jnp.uint8))
+
+
+def test_compute_on_api_detection_matches_jax_line():
+    from jlco.offload.host_pool import _compute_on_form
+    major_minor = tuple(int(x) for x in jax.__version__.split(".")[:2])
+    if major_minor <= (0, 10):
+        assert _compute_on_form() == "context"
+    assert _compute_on_form() in ("context", "decorator")

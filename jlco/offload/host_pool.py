@@ -30,9 +30,20 @@ COMPUTE_ON_FORMS = ("auto", "context", "decorator")
 
 def _compute_on_form() -> str:
     """jax 0.10.x: `compute_on` is a context manager (`compute_on2` the decorator);
-    jax 0.11 turns `compute_on` itself into the decorator. Tell them apart by signature."""
-    params = inspect.signature(_compute_on_mod.compute_on).parameters
-    return "decorator" if "out_memory_spaces" in params else "context"
+    jax 0.11 turns `compute_on` itself into the decorator. contextlib-made context
+    managers wrap a generator function, which tells the two apart."""
+    wrapped = getattr(_compute_on_mod.compute_on, "__wrapped__", None)
+    return "context" if inspect.isgeneratorfunction(wrapped) else "decorator"
+
+
+def _host_decorator(fn: Callable) -> Callable:
+    deco = getattr(_compute_on_mod, "compute_on2", None) or _compute_on_mod.compute_on
+    params = inspect.signature(deco).parameters
+    if "out_memory_spaces" in params:
+        return deco(fn, compute_type="device_host", out_memory_spaces=jax.memory.Space.Host)
+    if "compute_type" in params and "f" in params:
+        return deco(fn, compute_type="device_host")
+    return deco("device_host")(fn)
 
 
 def host_compute(fn: Callable, *args, form: str = "auto"):
@@ -44,9 +55,7 @@ def host_compute(fn: Callable, *args, form: str = "auto"):
     if form == "context":
         with _compute_on_mod.compute_on("device_host"):
             return fn(*args)
-    deco = getattr(_compute_on_mod, "compute_on2", None) or _compute_on_mod.compute_on
-    return deco(fn, compute_type="device_host",
-                out_memory_spaces=jax.memory.Space.Host)(*args)
+    return _host_decorator(fn)(*args)
 
 
 def is_host_space(x) -> bool:
