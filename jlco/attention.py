@@ -32,14 +32,12 @@ def _dispatch():
 
 
 def decode_rows(rows: jax.Array, kv_format: str, d_rope: int) -> jax.Array:
-    """Raw latent row bytes [..., row_bytes] → f32 latent [..., c + r]."""
+    """Kernel-form latent rows (float values, or fp8 row bytes) → f32 [..., c + r]."""
     _check("kv_format", kv_format, _KV_FORMATS)
     if kv_format == "fp8":
         from jlco.pallas import fp8_rows
         return fp8_rows.dequantize_kv_rows(rows, d_rope=d_rope).astype(jnp.float32)
-    dt, width = (jnp.float32, 4) if kv_format == "f32" else (jnp.bfloat16, 2)
-    vals = rows.reshape(*rows.shape[:-1], rows.shape[-1] // width, width)
-    return jax.lax.bitcast_convert_type(vals, dt).astype(jnp.float32)
+    return rows.astype(jnp.float32)
 
 
 def sparse_mla_xla(q, kv_cache, indices, softmax_scale, *, kv_format, d_rope):
@@ -62,7 +60,7 @@ def sparse_mla_xla(q, kv_cache, indices, softmax_scale, *, kv_format, d_rope):
         empty = denom == 0
         out = jnp.where(empty[..., None], 0.0, out / jnp.where(empty, 1.0, denom)[..., None])
         lse = jnp.where(empty, jnp.inf, jnp.log(jnp.where(empty, 1.0, denom)) + m_safe[..., 0])
-        return out, lse
+        return out.astype(q.dtype), lse
 
 
 def indexer_scores_xla(q, weights, k, lengths):
@@ -93,8 +91,9 @@ def indexer_topk_xla(q, weights, k_cache, lengths, topk, *, k_scale=None, key_fo
 
 
 def sparse_mla(q, kv_cache, indices, softmax_scale, *, kv_format, d_rope, impl="auto"):
-    """Absorbed sparse MLA. q [b,s,h,c+r]; kv_cache raw rows [n,row_bytes]; indices
-    [b,s,k] global row ids (−1 invalid) → (out [b,s,h,c] f32, lse [b,s,h])."""
+    """Absorbed sparse MLA. q [b,s,h,c+r]; kv_cache rows [n, c+r] float for kv_format
+    f32/bf16 or [n, row_bytes] uint8 for fp8; indices [b,s,k] global row ids (−1 invalid)
+    → (out [b,s,h,c], lse [b,s,h])."""
     _check("impl", impl, _IMPLS)
     _check("kv_format", kv_format, _KV_FORMATS)
     mod = _dispatch()

@@ -107,11 +107,16 @@ def write_latent(cache: DecodeCache, layer: int, rows: jax.Array,
 def latent_for_attention(cache: DecodeCache, layer: int,
                          positions: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Rows and global row ids for sparse MLA: positions [b, s, k] (−1 = none) →
-    (rows [b·t, row_bytes], ids [b, s, k] = b·t + position, −1 kept)."""
+    (rows [b·t, ·] in the kernel's form: f32/bf16 latent values, or the fp8 row bytes;
+    ids [b, s, k] = b·t + position, −1 kept)."""
     lat = cache.latent[layer]
     b, t, row = lat.shape
+    rows = lat.reshape(b * t, row)
+    if cache.kv_format != "fp8":
+        dt, width = (jnp.float32, 4) if cache.kv_format == "f32" else (jnp.bfloat16, 2)
+        rows = jax.lax.bitcast_convert_type(rows.reshape(b * t, row // width, width), dt)
     ids = jnp.arange(b, dtype=jnp.int32)[:, None, None] * t + positions
-    return lat.reshape(b * t, row), jnp.where(positions >= 0, ids, -1).astype(jnp.int32)
+    return rows, jnp.where(positions >= 0, ids, -1).astype(jnp.int32)
 
 
 def write_index_key(cache: DecodeCache, layer: int, k: jax.Array,
