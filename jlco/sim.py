@@ -257,3 +257,74 @@ def run(hardware: str = "h200") -> dict:
         calibration_setup_curves=preds["32k_mtp2_accept1.7"],
         miss_curve_32k_mtp2=dict(capacities=caps.tolist(),
                                  misses_per_req_step_all_layers=mc.sum(0).tolist()))
+
+
+def plot(out: dict, plot_dir: str) -> list[str]:
+    """throughput_vs_batch.png (per setup, with/without offload) and misses_vs_hot.png."""
+    import os
+
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    os.makedirs(plot_dir, exist_ok=True)
+    setups = dict(out["predictions"], **{"32k_mtp2_accept1.7 (calibration)":
+                                         out["calibration_setup_curves"]})
+    fig, axes = plt.subplots(1, len(setups), figsize=(5 * len(setups), 4), squeeze=False)
+    for ax, (name, p) in zip(axes[0], setups.items()):
+        for key, label in (("curve_no_offload", "no offload"), ("curve_offload", "offload")):
+            ax.plot([d["batch"] for d in p[key]], [d["node_tokens_s"] for d in p[key]],
+                    marker=".", label=label)
+        ax.set(title=name, xlabel="batch per GPU", ylabel="node tokens/s")
+        ax.legend()
+    paths = [os.path.join(plot_dir, "throughput_vs_batch.png")]
+    fig.tight_layout()
+    fig.savefig(paths[0], dpi=100)
+    plt.close(fig)
+    mc = out["miss_curve_32k_mtp2"]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(mc["capacities"], mc["misses_per_req_step_all_layers"], marker=".")
+    ax.set(xscale="log", xlabel="hot-buffer rows per request per layer",
+           ylabel="synthetic LRU misses / request / step (61 layers)",
+           title="32K, MTP 2 (s_q 3), ESS overlap profile")
+    paths.append(os.path.join(plot_dir, "misses_vs_hot.png"))
+    fig.tight_layout()
+    fig.savefig(paths[1], dpi=100)
+    plt.close(fig)
+    return paths
+
+
+def _table(out: dict) -> str:
+    lines = ["fitted constants: " + ", ".join(f"{k}={v:.4g}" for k, v in
+                                               out["fitted_constants"].items()),
+             f"{'batch':>6} {'r':>5} {'target tok/s':>13} {'sim tok/s':>10} {'err %':>7}"]
+    for c in out["calibration"]:
+        lines.append(f"{c['batch']:>6} {c['ratio']:>5.2f} {c['target_tokens_s']:>13.1f} "
+                     f"{c['sim_tokens_s']:>10.1f} {c['error_pct']:>7.2f}")
+    lines.append(f"{'prediction':<22} {'B dev':>6} {'tok/s dev':>10} {'B off':>6} {'r':>5} "
+                 f"{'tok/s off':>10} {'x':>5}")
+    for name, p in out["predictions"].items():
+        d, o = p["no_offload"], p["offload"]
+        lines.append(f"{name:<22} {d['batch']:>6} {d['node_tokens_s']:>10.1f} {o['batch']:>6} "
+                     f"{o['ratio']:>5.2f} {o['node_tokens_s']:>10.1f} {p['speedup']:>5.2f}")
+    return "\n".join(lines)
+
+
+def main(argv) -> None:
+    import json
+
+    from absl import flags
+    del argv
+    f = flags.FLAGS
+    out = run(f.hardware)
+    if f.plot_dir:
+        out["plots"] = plot(out, f.plot_dir)
+    print(json.dumps(out, indent=1) if f.json else _table(out))
+
+
+if __name__ == "__main__":
+    from absl import app, flags
+    flags.DEFINE_string("hardware", "h200", "hardware profile key (jlco.hardware.HARDWARE)")
+    flags.DEFINE_bool("json", False, "print everything as JSON instead of the table")
+    flags.DEFINE_string("plot_dir", "", "write PNG plots here (beside the JSON)")
+    app.run(main)
