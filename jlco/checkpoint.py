@@ -21,15 +21,20 @@ import re
 import sys
 from typing import Any, Mapping
 
+import jax
 import ml_dtypes
 import numpy as np
+import orbax.checkpoint as ocp
 import tqdm
+from flax import nnx
 
 from jlco import safetensors_io as st
 from jlco.config import ModelConfig, RopeScaling
-from jlco.safetensors_io import CheckpointError, FP8_BLOCK, dequantize_fp8_blocks
+from jlco.model import DeepseekV32
+from jlco.safetensors_io import FP8_BLOCK, CheckpointError, dequantize_fp8_blocks
+from jlco.weights import hf_tensor_names, model_from_hf
 
-__all__ = ["CheckpointError", "HFCheckpoint", "IGNORED_TENSORS", "load_hf_checkpoint",
+__all__ = ["CheckpointError", "HFCheckpoint", "ignored_tensors", "load_hf_checkpoint",
            "expected_hf_tensors", "save_orbax", "restore_orbax", "load_model",
            "MANIFEST_NAME", "STATE_DIR", "dequantize_fp8_blocks", "FP8_BLOCK"]
 
@@ -38,68 +43,28 @@ STATE_DIR = "state"
 _FORMAT_VERSION = 1
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
-# Tensors a checkpoint may carry that the model does not use. Listed explicitly so that any
-# other unexpected name is an error. Rotary `inv_freq` buffers are recomputed from the
-# config; `transformers` 5.x does not save them, older remote-code exports did.
-IGNORED_TENSORS = (re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq"),)
-
 _SCALE_SUFFIX = "_scale_inv"
-_OUT_DTYPES = {np.dtype(np.float32): "float32", np.dtype(ml_dtypes.bfloat16): "bfloat16"}
+_OUT_DTYPES = (np.dtype(np.float32), np.dtype(ml_dtypes.bfloat16))
 
 
 def expected_hf_tensors(cfg: ModelConfig, mtp: bool) -> dict[str, tuple[int, ...]]:
-    """Expected HF tensor names → torch `[out, in]` shapes, as `transformers` saves them.
+    """Expected HF tensor names → torch `[out, in]` shapes; the table is the model's own
+    (jlco.weights), so loader and model cannot disagree about names."""
+    if mtp and cfg.num_nextn_predict_layers != 1:
+        cfg = dataclasses.replace(cfg, num_nextn_predict_layers=1)
+    return {k: tuple(v) for k, v in hf_tensor_names(cfg, mtp=mtp).items()}
 
-    Interim table until jlco.weights.hf_tensor_names (the model's own) replaces it.
-    The MTP layer (`model.layers.{L}`) is a full MoE decoder layer plus the DeepSeek
-    MTP extras (enorm, hnorm, eh_proj, shared_head, its own embed_tokens copy).
+
+def ignored_tensors(cfg: ModelConfig) -> tuple[re.Pattern, ...]:
+    """Tensors a checkpoint may carry that are not loaded. Explicit, so that any other
+    unexpected name is an error:
+    - rotary `inv_freq` buffers: recomputed from the config (transformers 5.x does not
+      save them; older remote-code exports did);
+    - `model.layers.{L}.embed_tokens.weight`: the released checkpoint repeats the
+      embedding in its MTP layer; the MTP layer shares the main one.
     """
-    h, u, L = cfg.hidden_size, cfg.vocab_size, cfg.num_hidden_layers
-    t: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (u, h),
-                                     "model.norm.weight": (h,)}
-    if not cfg.tie_word_embeddings:
-        t["lm_head.weight"] = (u, h)
-    for i in range(L + (1 if mtp else 0)):
-        t.update(_layer_tensors(cfg, i))
-    if mtp:
-        p = f"model.layers.{L}."
-        t.update({p + "enorm.weight": (h,), p + "hnorm.weight": (h,),
-                  p + "eh_proj.weight": (h, 2 * h), p + "shared_head.norm.weight": (h,),
-                  p + "shared_head.head.weight": (u, h), p + "embed_tokens.weight": (u, h)})
-    return t
-
-
-def _layer_tensors(cfg: ModelConfig, i: int) -> dict[str, tuple[int, ...]]:
-    h, nh, q, c = cfg.hidden_size, cfg.num_attention_heads, cfg.q_lora_rank, cfg.kv_lora_rank
-    ih, ij = cfg.index_n_heads, cfg.index_head_dim
-    a, x, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.self_attn.indexer.", \
-        f"model.layers.{i}.mlp."
-    t = {f"model.layers.{i}.input_layernorm.weight": (h,),
-         f"model.layers.{i}.post_attention_layernorm.weight": (h,),
-         a + "q_a_proj.weight": (q, h), a + "q_a_layernorm.weight": (q,),
-         a + "q_b_proj.weight": (nh * cfg.qk_head_dim, q),
-         a + "kv_a_proj_with_mqa.weight": (c + cfg.qk_rope_head_dim, h),
-         a + "kv_a_layernorm.weight": (c,),
-         a + "kv_b_proj.weight": (nh * (cfg.qk_nope_head_dim + cfg.v_head_dim), c),
-         a + "o_proj.weight": (h, nh * cfg.v_head_dim),
-         x + "wq_b.weight": (ih * ij, q), x + "wk.weight": (ij, h),
-         x + "k_norm.weight": (ij,), x + "k_norm.bias": (ij,),
-         x + "weights_proj.weight": (ih, h)}
-    if not cfg.is_moe_layer(i):
-        f = cfg.intermediate_size
-        return t | {m + "gate_proj.weight": (f, h), m + "up_proj.weight": (f, h),
-                    m + "down_proj.weight": (h, f)}
-    f, e = cfg.moe_intermediate_size, cfg.n_routed_experts
-    for j in range(e):
-        t |= {f"{m}experts.{j}.gate_proj.weight": (f, h), f"{m}experts.{j}.up_proj.weight": (f, h),
-              f"{m}experts.{j}.down_proj.weight": (h, f)}
-    t |= {m + "gate.weight": (e, h), m + "gate.e_score_correction_bias": (e,)}
-    if cfg.n_shared_experts:
-        fs = f * cfg.n_shared_experts
-        t |= {m + "shared_experts.gate_proj.weight": (fs, h),
-              m + "shared_experts.up_proj.weight": (fs, h),
-              m + "shared_experts.down_proj.weight": (h, fs)}
-    return t
+    return (re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq"),
+            re.compile(re.escape(f"model.layers.{cfg.num_hidden_layers}.embed_tokens.weight")))
 
 
 @dataclasses.dataclass
@@ -114,10 +79,6 @@ class HFCheckpoint:
     @property
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.tensors.values())
-
-
-def _is_ignored(name: str) -> bool:
-    return any(p.fullmatch(name) for p in IGNORED_TENSORS)
 
 
 def _pair_scales(entries: Mapping[str, st.TensorEntry]) -> tuple[dict, list[str]]:
@@ -147,9 +108,7 @@ def _check_entry(name: str, e: st.TensorEntry, scale: st.TensorEntry | None,
                 + ", ".join(st.SUPPORTED_DTYPES)]
     if e.shape != want:
         return [f"{where} has shape {list(e.shape)}, expected {list(want)}"]
-    if scale is None:
-        return []
-    if e.dtype != "F8_E4M3":
+    if e.dtype != "F8_E4M3" or scale is None:  # _pair_scales reports unpaired ones
         return []
     if len(e.shape) != 2:
         return [f"{where} is fp8 but not 2-D (shape {list(e.shape)}); block scales need [out, in]"]
@@ -163,12 +122,13 @@ def _check_entry(name: str, e: st.TensorEntry, scale: st.TensorEntry | None,
     return []
 
 
-def _validate(plan: Mapping, expected: Mapping[str, tuple[int, ...]]) -> list[str]:
+def _validate(plan: Mapping, expected: Mapping[str, tuple[int, ...]],
+              ignored: tuple[re.Pattern, ...]) -> list[str]:
     problems = [f"missing tensor {n!r} (shape {list(s)})" for n, s in expected.items()
                 if n not in plan]
     for name, (e, scale) in plan.items():
         if name not in expected:
-            if not _is_ignored(name):
+            if not any(p.fullmatch(name) for p in ignored):
                 problems.append(f"unknown tensor {name!r} ({e.file.name}), "
                                 f"shape {list(e.shape)}, dtype {e.dtype}")
             continue
@@ -206,7 +166,8 @@ def load_hf_checkpoint(path: str | os.PathLike, *, dtype: Any = np.float32,
 
     Validation runs on the headers before any tensor data is read, so a bad 600 GB
     checkpoint fails in seconds. MTP tensors (`model.layers.{num_hidden_layers}.*`) are
-    detected by name; when present they are validated and loaded too.
+    detected by name; when present they are validated and loaded too, and the returned
+    config's num_nextn_predict_layers says whether they were (1) or not (0).
     """
     path = pathlib.Path(path)
     out_dt = _out_dtype(dtype)
@@ -214,18 +175,23 @@ def load_hf_checkpoint(path: str | os.PathLike, *, dtype: Any = np.float32,
     entries = st.index_checkpoint(path)
     mtp_prefix = f"model.layers.{cfg.num_hidden_layers}."
     has_mtp = any(n.startswith(mtp_prefix) for n in entries)
+    # The MTP layer exists in the model iff its tensors exist: transformers' saves carry
+    # num_nextn_predict_layers=1 in config.json (or omit it) but drop model.layers.{L}.*.
+    cfg = dataclasses.replace(cfg, num_nextn_predict_layers=int(has_mtp))
+    expected = expected_hf_tensors(cfg, has_mtp)
     plan, problems = _pair_scales(entries)
-    problems += _validate(plan, expected_hf_tensors(cfg, has_mtp))
+    problems += _validate(plan, expected, ignored_tensors(cfg))
     _raise_if(problems, path)
     tensors: dict[str, np.ndarray] = {}
-    names = [n for n in plan if not _is_ignored(n)]
+    names = [n for n in plan if n in expected]
     bar = tqdm.tqdm(names, desc="loading HF tensors", unit="tensor", file=sys.stderr,
                     disable=not progress)
     for name in bar:
         e, scale = plan[name]
+        bar.set_postfix_str(e.file.name, refresh=False)
         raw = st.read_tensor(e)
         if e.dtype == "F8_E4M3":
-            arr = dequantize_fp8_blocks(raw, st.read_tensor(scale)).astype(out_dt)
+            arr = dequantize_fp8_blocks(raw, st.read_tensor(scale)).astype(out_dt, copy=False)
         else:
             arr = raw.astype(out_dt)  # astype copies: the memory map is not kept alive
         tensors[name] = arr
@@ -257,14 +223,12 @@ def _leaf_key(path: tuple) -> str:
 
 
 def _leaf_table(tree: Any) -> dict[str, dict]:
-    import jax
     flat = jax.tree_util.tree_flatten_with_path(tree)[0]
     return {_leaf_key(p): {"shape": list(x.shape), "dtype": str(np.dtype(x.dtype))}
             for p, x in flat}
 
 
 def _pure(state: Any) -> Any:
-    from flax import nnx
     return nnx.to_pure_dict(state) if isinstance(state, nnx.State) else state
 
 
@@ -275,7 +239,6 @@ def save_orbax(path: str | os.PathLike, cfg: ModelConfig, state: Any,
     The path must not hold a checkpoint already: overwriting a model in place would leave
     a half-written mix if interrupted.
     """
-    import orbax.checkpoint as ocp
     path = pathlib.Path(path).absolute()
     if (path / STATE_DIR).exists() or (path / MANIFEST_NAME).exists():
         raise CheckpointError(f"output {str(path)!r} already holds a checkpoint; "
@@ -319,16 +282,12 @@ def _check_manifest(saved: Mapping[str, dict], want: Mapping[str, dict], where: 
 
 def abstract_model(cfg: ModelConfig):
     """(graphdef, abstract nnx.State) of the model, without allocating weights."""
-    from flax import nnx
-    from jlco.model import DeepseekV32
     return nnx.split(nnx.eval_shape(lambda: DeepseekV32(cfg, rngs=nnx.Rngs(0))))
 
 
 def restore_orbax(path: str | os.PathLike, abstract_state: Any = None) -> tuple[ModelConfig, Any]:
     """Restore (cfg, state). `abstract_state` defaults to the model's (nnx.eval_shape);
     every leaf's shape and dtype must match what was saved."""
-    import orbax.checkpoint as ocp
-    from flax import nnx
     path = pathlib.Path(path).absolute()
     cfg, leaves = read_manifest(path)
     if abstract_state is None:
@@ -365,11 +324,9 @@ def load_model(path: str | os.PathLike, cfg_overrides: Mapping[str, Any] | None 
     For HF, `cfg_overrides` apply on top of config.json (e.g. dtype='float32'); for Orbax,
     they must not change any weight's shape or dtype (the manifest check says which).
     """
-    from flax import nnx
     overrides = dict(cfg_overrides or {})
     kind = checkpoint_kind(path)
     if kind == "hf":
-        from jlco.weights import model_from_hf
         cfg = read_hf_config(path, **overrides)
         dt = np.float32 if cfg.dtype == "float32" else ml_dtypes.bfloat16
         ck = load_hf_checkpoint(path, dtype=dt, progress=progress, cfg_overrides=overrides)

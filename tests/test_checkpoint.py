@@ -88,7 +88,8 @@ def test_single_file_matches_library_and_table(ckpts):
     for n, t in ck.tensors.items():
         assert t.dtype == np.float32 and t.shape == ref[n].shape
         np.testing.assert_array_equal(t, ref[n], err_msg=n)
-    assert not ck.has_mtp and ck.tokenizer_path == ckpts / "single" / "tokenizer.json"
+    assert not ck.has_mtp and ck.config.num_nextn_predict_layers == 0
+    assert ck.tokenizer_path == ckpts / "single" / "tokenizer.json"
     assert ck.config.hidden_size == 136 and ck.config.rope_scaling.factor == 4.0
     assert ck.config.rope_scaling.original_max_position_embeddings == 256
 
@@ -165,14 +166,22 @@ def test_mtp_layer_detected_and_loaded(ckpts, tmp_path):
     extra = _mtp_tensors(cfg, np.random.default_rng(2))
     assert "model.layers.3.eh_proj.weight" in extra
     assert "model.layers.3.mlp.experts.7.up_proj.weight" in extra
-    d = _copy(ckpts / "single", tmp_path / "mtp", lambda t: t.update(extra))
+    copy = {"model.layers.3.embed_tokens.weight": np.ones((512, 136), np.float32)}  # ignored
+    d = _copy(ckpts / "single", tmp_path / "mtp", lambda t: t.update(extra | copy))
     ck = load_hf_checkpoint(d, progress=False)
     assert ck.has_mtp and set(ck.tensors) == set(expected_hf_tensors(cfg, mtp=True))
+    assert ck.config.num_nextn_predict_layers == 1
+    assert "model.layers.3.embed_tokens.weight" not in ck.tensors
     for n, a in extra.items():
         np.testing.assert_array_equal(ck.tensors[n], a, err_msg=n)
     d2 = _copy(d, tmp_path / "mtp_partial", lambda t: t.pop("model.layers.3.hnorm.weight"))
     with pytest.raises(CheckpointError, match=r"missing tensor 'model\.layers\.3\.hnorm\.weight'"):
         load_hf_checkpoint(d2, progress=False)
+    d3 = _copy(ckpts / "single", tmp_path / "no_mtp_copy",
+               lambda t: t.update({"model.layers.2.embed_tokens.weight": copy[
+                   "model.layers.3.embed_tokens.weight"]}))
+    with pytest.raises(CheckpointError, match=r"unknown tensor 'model\.layers\.2\.embed_tokens"):
+        load_hf_checkpoint(d3, progress=False)
 
 
 def _set(name, value):
@@ -312,3 +321,59 @@ def test_orbax_restore_enforces_dtype_and_shape(tmp_path):
         restore_orbax(tmp_path / "o", nnx.state(bigger))
     with pytest.raises(CheckpointError, match="jlco_checkpoint.json"):
         restore_orbax(tmp_path)
+
+
+def test_real_model_hf_to_orbax_round_trip(ckpts, tmp_path):
+    """HF dir → model (jlco.weights) → Orbax → restored into the model's abstract state:
+    every leaf equal with its dtype; load_model gives the same model from both kinds."""
+    import jax
+    from flax import nnx
+    from jlco.checkpoint import checkpoint_kind, load_model
+    cfg, model, info = load_model(ckpts / "single", {"dtype": "float32"}, progress=False)
+    assert info["kind"] == "hf" and not info["has_mtp"] and model.mtp is None
+    ref = load_hf_checkpoint(ckpts / "single", progress=False).tensors
+    np.testing.assert_array_equal(np.asarray(model.embed_tokens[...]),
+                                  ref["model.embed_tokens.weight"])
+    state = nnx.state(model)
+    save_orbax(tmp_path / "o", cfg, state)
+    assert checkpoint_kind(tmp_path / "o") == "orbax"
+    got_cfg, got = restore_orbax(tmp_path / "o")
+    assert got_cfg == cfg
+    _assert_same_leaves(got, state)
+    assert {x.dtype for x in jax.tree.leaves(got)} == {np.dtype(np.float32)}
+    cfg2, model2, info2 = load_model(tmp_path / "o")
+    assert info2["kind"] == "orbax" and cfg2 == cfg
+    _assert_same_leaves(nnx.state(model2), state)
+    with pytest.raises(CheckpointError, match=r"leaf 'embed_tokens': checkpoint float32\[512, "
+                                              r"136\], model bfloat16\[512, 136\]"):
+        load_model(tmp_path / "o", {"dtype": "bfloat16"})
+    with pytest.raises(CheckpointError, match="neither a jlco Orbax dir"):
+        load_model(tmp_path)
+
+
+def test_convert_cli_fp8_with_mtp(ckpts, tmp_path):
+    """`python -m jlco.convert` on an fp8 checkpoint with an MTP layer → bf16 Orbax whose
+    weights are the dequantised twin's, rounded to bf16 once."""
+    import subprocess
+    import sys
+    from flax import nnx
+    from jlco.checkpoint import load_model
+    cfg = load_hf_checkpoint(ckpts / "single", progress=False).config
+    extra = _mtp_tensors(cfg, np.random.default_rng(4))
+    src = _copy(ckpts / "single", tmp_path / "mtp", lambda t: t.update(extra))
+    _fp8_tool().make_fp8_checkpoint(src, tmp_path / "fp8", twin=tmp_path / "twin")
+    out = tmp_path / "orbax"
+    r = subprocess.run([sys.executable, "-m", "jlco.convert", "--checkpoint",
+                        str(tmp_path / "fp8"), "--output", str(out), "--dtype", "bfloat16",
+                        "--noprogress"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    summary = json.loads(r.stdout.strip().splitlines()[-1])
+    assert summary["mtp"] and summary["dtype"] == "bfloat16" and "MTP: yes" in r.stdout
+    assert summary["hf_tensors"] == len(expected_hf_tensors(cfg, mtp=True))
+    cfg_o, model, info = load_model(out)
+    assert cfg_o.dtype == "bfloat16" and cfg_o.num_nextn_predict_layers == 1 and info["has_mtp"]
+    twin = load_hf_checkpoint(tmp_path / "twin", dtype=ml_dtypes.bfloat16, progress=False)
+    _, from_twin, _ = load_model(tmp_path / "twin", progress=False)
+    _assert_same_leaves(nnx.state(model), nnx.state(from_twin))
+    np.testing.assert_array_equal(np.asarray(model.mtp.eh_proj.weight[...]),
+                                  twin.tensors["model.layers.3.eh_proj.weight"].T)
