@@ -88,38 +88,63 @@ def _decode_e4m3(codes):
     return jnp.where(exp == 0, subnormal, normal)
 
 
+def _score_tile(length, n0, sub, qs, ws, k_ref, s_ref, o_ref, *, s_q, block_n,
+                compute_dtype, int_fp8):
+    """Scores of keys n0 .. n0+block_n (sub-tile `sub` of this program's key window)."""
+    cols = pl.ds(sub * block_n, block_n)
+    k = k_ref[cols, :]                                                    # [n, d]
+    if int_fp8:
+        k = _decode_e4m3(k.astype(jnp.int32))
+    k = k.astype(compute_dtype)
+    scale = s_ref[:, cols].astype(jnp.float32) if s_ref is not None else None   # [1, n]
+    pos = n0 + jax.lax.broadcasted_iota(jnp.int32, (1, block_n), 1)
+    precision = (jax.lax.Precision.HIGHEST if compute_dtype == jnp.float32
+                 else jax.lax.Precision.DEFAULT)
+    for t in range(s_q):
+        acc = jnp.zeros((1, block_n), jnp.float32)
+        for qh, w in zip(qs[t], ws[t]):                                   # [h, d], [h, 1]
+            logits = jax.lax.dot_general(                                 # [h, n]
+                qh, k, (((1,), (1,)), ((), ())), precision=precision,
+                preferred_element_type=jnp.float32)
+            if scale is not None:
+                logits = logits * scale
+            acc = acc + jnp.sum(w * jnp.maximum(logits, 0.0), axis=0, keepdims=True)
+        visible = pos <= length - s_q + t
+        o_ref[pl.ds(t, 1), cols] = jnp.where(visible, acc, _NEG_INF)
+
+
 def _score_body(length, q_ref, w_ref, k_ref, s_ref, o_ref, *, s_q, n_heads, block_h,
-                block_n, compute_dtype, int_fp8):
-    """One (request, key block) tile: all queries x all heads against `block_n` keys."""
-    n0 = pl.program_id(1) * block_n
+                block_n, steps, compute_dtype, int_fp8):
+    """One (request, key window) program: all queries x all heads against `steps` tiles of
+    `block_n` keys. Queries and weights are loaded once per program and stay in registers
+    (Triton) / VMEM (Mosaic) while the key tiles stream past."""
+    qs = [[q_ref[t, pl.ds(h0, block_h), :].astype(compute_dtype)
+           for h0 in range(0, n_heads, block_h)] for t in range(s_q)]
+    ws = [[w_ref[t, pl.ds(h0, block_h), :] for h0 in range(0, n_heads, block_h)]
+          for t in range(s_q)]
+    tile = functools.partial(_score_tile, length, qs=qs, ws=ws, k_ref=k_ref, s_ref=s_ref,
+                             o_ref=o_ref, s_q=s_q, block_n=block_n,
+                             compute_dtype=compute_dtype, int_fp8=int_fp8)
 
-    @pl.when(n0 < length)
-    def _compute():
-        k = k_ref[...]                                                    # [n, d]
-        if int_fp8:
-            k = _decode_e4m3(k.astype(jnp.int32))
-        k = k.astype(compute_dtype)
-        scale = s_ref[...].astype(jnp.float32) if s_ref is not None else None   # [1, n]
-        pos = n0 + jax.lax.broadcasted_iota(jnp.int32, (1, block_n), 1)
-        precision = (jax.lax.Precision.HIGHEST if compute_dtype == jnp.float32
-                     else jax.lax.Precision.DEFAULT)
-        for t in range(s_q):
-            acc = jnp.zeros((1, block_n), jnp.float32)
-            for h0 in range(0, n_heads, block_h):
-                qh = q_ref[t, pl.ds(h0, block_h), :].astype(compute_dtype)   # [h, d]
-                logits = jax.lax.dot_general(                                 # [h, n]
-                    qh, k, (((1,), (1,)), ((), ())), precision=precision,
-                    preferred_element_type=jnp.float32)
-                if scale is not None:
-                    logits = logits * scale
-                w = w_ref[t, pl.ds(h0, block_h), :]                           # [h, 1]
-                acc = acc + jnp.sum(w * jnp.maximum(logits, 0.0), axis=0, keepdims=True)
-            visible = pos <= length - s_q + t
-            o_ref[pl.ds(t, 1), :] = jnp.where(visible, acc, _NEG_INF)
+    first = pl.program_id(1) * steps      # read outside the loop: interpret mode needs it
 
-    @pl.when(n0 >= length)
-    def _skip():
-        o_ref[...] = jnp.full(o_ref.shape, _NEG_INF, jnp.float32)
+    def step(sub, carry):
+        n0 = (first + sub) * block_n
+
+        @pl.when(n0 < length)
+        def _compute():
+            tile(n0, sub)
+
+        @pl.when(n0 >= length)
+        def _skip():
+            o_ref[:, pl.ds(sub * block_n, block_n)] = jnp.full(
+                (s_q, block_n), _NEG_INF, jnp.float32)
+        return carry
+
+    if steps == 1:
+        step(0, 0)
+    else:
+        jax.lax.fori_loop(0, steps, step, 0)
 
 
 def _triton_kernel(len_ref, q_ref, w_ref, k_ref, *rest, **kw):
@@ -159,33 +184,36 @@ def _score_call(q, weights, k_cache, lengths, k_scale, *, style, blocks, interpr
     b, s_q, h, d = q.shape
     length = k_cache.shape[1]
     block_n, block_h = blocks["block_n"], blocks["block_h"]
+    steps = 1
     if style == "triton":
         block_n = _next_pow2(max(16, min(block_n, length)))
         block_h = _next_pow2(max(16, min(block_h, h)))
+        steps = max(1, min(blocks.get("steps", 1), -(-length // block_n)))
     else:
         block_n = length if length <= block_n else block_n
         block_h = h if h <= block_h or h % block_h else block_h
+    window = block_n * steps
     int_fp8 = style == "mosaic" and k_cache.dtype == jnp.uint8
     q, w, k, scale, lp = _prepare(q, weights, k_cache, k_scale, block_h=block_h,
-                                  block_n=block_n, pad_pow2=style == "triton", int_fp8=int_fp8)
+                                  block_n=window, pad_pow2=style == "triton", int_fp8=int_fp8)
     hp, dp = q.shape[2], q.shape[3]
     cdt = _compute_dtype(q.dtype, k_cache.dtype)
-    kw = dict(s_q=s_q, n_heads=hp, block_h=block_h, block_n=block_n, compute_dtype=cdt,
-              int_fp8=int_fp8)
-    grid = (b, lp // block_n)
+    kw = dict(s_q=s_q, n_heads=hp, block_h=block_h, block_n=block_n, steps=steps,
+              compute_dtype=cdt, int_fp8=int_fp8)
+    grid = (b, lp // window)
     out_shape = jax.ShapeDtypeStruct((b, s_q, lp), jnp.float32)
     operands = [q, w, k] + ([scale] if scale is not None else [])
     if style == "triton":
         specs = [pl.BlockSpec((None,), lambda i, j: (i,)),
                  pl.BlockSpec((None, s_q, hp, dp), lambda i, j: (i, 0, 0, 0)),
                  pl.BlockSpec((None, s_q, hp, 1), lambda i, j: (i, 0, 0, 0)),
-                 pl.BlockSpec((None, block_n, dp), lambda i, j: (i, j, 0))]
+                 pl.BlockSpec((None, window, dp), lambda i, j: (i, j, 0))]
         if scale is not None:
-            specs.append(pl.BlockSpec((None, 1, block_n), lambda i, j: (i, 0, j)))
+            specs.append(pl.BlockSpec((None, 1, window), lambda i, j: (i, 0, j)))
         out = pl.pallas_call(
             functools.partial(_triton_kernel, **kw), out_shape=out_shape, grid=grid,
             in_specs=specs,
-            out_specs=pl.BlockSpec((None, s_q, block_n), lambda i, j: (i, 0, j)),
+            out_specs=pl.BlockSpec((None, s_q, window), lambda i, j: (i, 0, j)),
             compiler_params=pltriton.CompilerParams(
                 num_warps=blocks.get("num_warps", 4), num_stages=blocks.get("num_stages", 2)),
             interpret=interpret, name="indexer_scores_triton",
@@ -285,19 +313,9 @@ def indexer_topk(q, weights, k_cache, lengths, topk, *, k_scale=None, key_format
     return select_topk(scores, topk)
 
 
-def dequantize_keys(k_cache, k_scale):
-    """uint8 e4m3 bytes x per-token f32 scale -> f32 keys."""
-    k = jax.lax.bitcast_convert_type(k_cache, jnp.float8_e4m3fn).astype(jnp.float32)
-    return k * k_scale[..., None].astype(jnp.float32)
-
-
-@functools.partial(jax.jit, static_argnames=("topk", "key_format", "block_n", "backend",
-                                             "interpret"))
-def indexer_topk_ref(q, weights, k_cache, lengths, topk, *, k_scale=None, key_format="bf16",
-                     block_n=None, backend="auto", interpret=False):
-    """Plain-jnp reference of `indexer_topk` (same contract; block/backend args ignored)."""
-    del block_n, backend, interpret
-    _validate(q, weights, k_cache, lengths, topk, k_scale, key_format)
+def indexer_scores_ref(q, weights, k_cache, lengths, *, k_scale=None, key_format="bf16"):
+    """Plain-jnp masked scores [b, s_q, L] f32, the reference for `indexer_scores`."""
+    _validate(q, weights, k_cache, lengths, 1, k_scale, key_format)
     s_q, length = q.shape[1], k_cache.shape[1]
     cdt = _compute_dtype(q.dtype, k_cache.dtype)
     if key_format == "fp8":
@@ -313,4 +331,17 @@ def indexer_topk_ref(q, weights, k_cache, lengths, topk, *, k_scale=None, key_fo
                         weights.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
     p = lengths.astype(jnp.int32)[:, None, None] - s_q + jnp.arange(s_q)[None, :, None]
     visible = jnp.arange(length)[None, None, :] <= p
-    return select_topk(jnp.where(visible, scores, _NEG_INF), topk)
+    return jnp.where(visible, scores, _NEG_INF)
+
+
+@functools.partial(jax.jit, static_argnames=("topk", "key_format", "block_n", "backend",
+                                             "interpret"))
+def indexer_topk_ref(q, weights, k_cache, lengths, topk, *, k_scale=None, key_format="bf16",
+                     block_n=None, backend="auto", interpret=False):
+    """Plain-jnp reference of `indexer_topk` (same contract; block/backend args ignored)."""
+    del block_n, backend, interpret
+    _validate(q, weights, k_cache, lengths, topk, k_scale, key_format)
+    with jax.named_scope("indexer_topk_ref"):
+        scores = indexer_scores_ref(q, weights, k_cache, lengths, k_scale=k_scale,
+                                    key_format=key_format)
+        return select_topk(scores, topk)

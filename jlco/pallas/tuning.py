@@ -11,8 +11,9 @@ Key schema of `TABLE`:  (device_kind, kernel, dtype, bucket) -> {param: int}
   bucket       `bucket(kernel, **shape)`: "short" / "long" context for the indexer
                (split at 8192 tokens), "h<=64" / "h>64" query heads for sparse_mla;
                "*" for any.
-Params: indexer -> block_n (keys per tile), block_h (heads per MMA), num_warps,
-num_stages (Triton only). sparse_mla -> block_h (heads per program), block_k (selected
+Params: indexer -> block_n (keys per MMA tile), block_h (heads per MMA), steps (tiles
+per program, Triton only: queries are loaded once per program, so more steps = fewer
+query reloads but fewer programs), num_warps, num_stages (Triton only). sparse_mla -> block_h (heads per program), block_k (selected
 rows per inner step), num_warps / num_stages (Triton only). Callers narrow a value to the
 call's shape (a block_h must divide the head count, a block_k need not exceed top-k).
 Lookup order: exact key, then dtype "*", then bucket "*", then both, first for the device
@@ -34,27 +35,28 @@ KERNELS = ("indexer", "sparse_mla")
 PLATFORMS = ("cuda", "tpu", "cpu")
 
 DEFAULTS: Mapping[str, Mapping[str, int]] = {
-    "indexer": {"block_n": 128, "block_h": 64, "num_warps": 4, "num_stages": 2},
+    "indexer": {"block_n": 128, "block_h": 64, "steps": 1, "num_warps": 4, "num_stages": 2},
     "sparse_mla": {"block_h": 64, "block_k": 32},
 }
 
 TABLE: Mapping[tuple[str, str, str, str], Mapping[str, int]] = {
     # Platform fallbacks.
-    ("cuda", "indexer", "*", "*"): {"block_n": 128, "block_h": 64, "num_warps": 4,
-                                   "num_stages": 2},
+    ("cuda", "indexer", "*", "*"): {"block_n": 128, "block_h": 64, "steps": 4,
+                                   "num_warps": 4, "num_stages": 2},
     ("tpu", "indexer", "*", "*"): {"block_n": 1024, "block_h": 64},
-    ("cpu", "indexer", "*", "*"): {"block_n": 512, "block_h": 64},
+    ("cpu", "indexer", "*", "*"): {"block_n": 256, "block_h": 64, "steps": 2},
     ("cuda", "sparse_mla", "*", "*"): {"block_h": 64, "block_k": 32, "num_warps": 8,
                                       "num_stages": 2},
     ("tpu", "sparse_mla", "*", "*"): {"block_h": 128, "block_k": 128},
     ("cpu", "sparse_mla", "*", "*"): {"block_h": 64, "block_k": 64},
     # Hopper: bigger key tiles once the context is long enough to fill 132 SMs.
-    ("NVIDIA H200", "indexer", "bf16", "long"): {"block_n": 128, "block_h": 64,
+    ("NVIDIA H200", "indexer", "bf16", "long"): {"block_n": 128, "block_h": 64, "steps": 8,
                                                  "num_warps": 8, "num_stages": 3},
-    ("NVIDIA H200", "indexer", "fp8", "long"): {"block_n": 256, "block_h": 64,
+    ("NVIDIA H200", "indexer", "fp8", "long"): {"block_n": 256, "block_h": 64, "steps": 4,
                                                 "num_warps": 8, "num_stages": 3},
     ("NVIDIA H100 80GB HBM3", "indexer", "fp8", "long"): {"block_n": 256, "block_h": 64,
-                                                          "num_warps": 8, "num_stages": 3},
+                                                          "steps": 4, "num_warps": 8,
+                                                          "num_stages": 3},
     # TPU v5e (16 MiB scoped VMEM, 4x128x128 MXU) and v6e (256x256 MXU).
     ("TPU v5 lite", "indexer", "*", "long"): {"block_n": 2048, "block_h": 64},
     ("TPU v6 lite", "indexer", "*", "long"): {"block_n": 2048, "block_h": 64},
