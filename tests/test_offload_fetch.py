@@ -111,3 +111,21 @@ def test_missing_page_is_an_error_on_host_path():
             MissFetcher(pool, "host_driven").fetch(hb.rows[0], 0, np.array([[0]]), res)
     with pytest.raises(ValueError, match="path='dma'"):
         MissFetcher(pool, "dma")
+
+
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+@pytest.mark.parametrize("chunk", [0, 4])
+def test_in_jit_fetch_lowers_for_accelerators(platform, chunk):
+    # compute_on('device_host') gather (+ while_loop when chunked) must lower for cuda
+    # and tpu from a CPU machine, so a backend break shows up without the hardware.
+    from jax.sharding import SingleDeviceSharding
+    hs = SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
+    pool = jax.device_put(np.zeros((256, 16), np.uint8), hs)
+    hb = init_hot_buffer(1, 2, 8, 16)
+    res = resolve(hb.slot_pos[0], hb.slot_stamp[0], jnp.zeros((2, 1, 4), jnp.int32), 0)
+    low = jax.jit(fetch_in_jit, static_argnums=(4, 5)).trace(
+        hb.rows[0], pool, jnp.zeros((2, 4), jnp.int32), res, 16, chunk
+    ).lower(lowering_platforms=(platform,))
+    text = low.as_text()
+    assert "_xla_compute_type" in text and "pinned_host" in text
+    assert ("stablehlo.while" in text) == (chunk > 0)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -147,6 +148,7 @@ class MissFetcher:
         if not isinstance(chunk_rows, int) or chunk_rows < 0:
             raise ValueError(f"MissFetcher: chunk_rows={chunk_rows!r} is invalid: allowed an integer >= 0")
         self.pool, self.path, self.chunk_rows = pool, path, chunk_rows
+        self._warned = False
         self._jit = jax.jit(self._in_jit, donate_argnums=0)
 
     def _in_jit(self, rows, host_layer, page_table, layer, res):
@@ -156,6 +158,10 @@ class MissFetcher:
 
     def fetch(self, rows, layer: int, page_table, res: Resolution):
         if self.path == "host_driven":
+            if not self._warned and not self.pool.zero_copy(layer):
+                self._warned = True
+                warnings.warn("host_driven fetch: numpy view of the host pool is not zero-copy "
+                              "on this backend; every fetch copies a whole layer")
             return fetch_host_driven(rows, self.pool, layer, page_table, res)
         host_layer = None if self.pool.storage == "file" else self.pool.array(layer)
         if host_layer is None:

@@ -109,6 +109,7 @@ class HostLatentPool:
         self.device = device or jax.devices()[0]
         self._file: str | None = None
         self._pending: list[concurrent.futures.Future] = []
+        self._zero_copy: bool | None = None
         shape = (self.num_rows, row_bytes)
         if storage == "file":
             fd, self._file = tempfile.mkstemp(prefix="jlco-latent-", suffix=".bin", dir=storage_path)
@@ -179,15 +180,19 @@ class HostLatentPool:
             del v
 
     def zero_copy(self, layer: int = 0) -> bool:
-        """Whether view() aliases the stored bytes (checked by pointer, not assumed)."""
+        """Whether view() aliases the stored bytes (checked once by pointer, not assumed).
+        CPU: yes. Elsewhere np.asarray of a host-kind array may copy the whole layer, which
+        would make the host-driven path cost a full-layer copy per fetch."""
         if self._layers is None:
             return True
-        arr = self._layers[layer]
-        with self.view(layer) as v:
-            try:
-                return v.__array_interface__["data"][0] == arr.unsafe_buffer_pointer()
-            except Exception:  # noqa: BLE001 - some backends expose no host pointer
-                return False
+        if self._zero_copy is None:
+            arr = self._layers[layer]
+            with self.view(layer) as v:
+                try:
+                    self._zero_copy = v.__array_interface__["data"][0] == arr.unsafe_buffer_pointer()
+                except Exception:  # noqa: BLE001 - some backends expose no host pointer
+                    self._zero_copy = False
+        return self._zero_copy
 
     def gather(self, layer: int, row_ids) -> np.ndarray:
         """uint8 [n, row_bytes] copy of rows at host row ids (numpy; −1 gives zeros)."""

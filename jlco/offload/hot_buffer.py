@@ -7,8 +7,8 @@ which positions to fetch. Static shapes throughout so it runs inside `jax.jit`.
 
 Victim order is (empty first, then oldest stamp, then lowest position): LRU stamps a slot
 with its last-use step, FIFO with its insertion step. Ties inside one step go by
-position so the policy is fully determined and `reference.py`-style OrderedDict models
-(see `ReferenceCache`) reproduce it hit for hit.
+position, so the policy is fully determined and an OrderedDict model (`ReferenceCache`)
+reproduces it hit for hit.
 """
 
 from __future__ import annotations
