@@ -123,8 +123,8 @@ def test_bad_inputs_name_the_argument(bad, match):
 def test_block_shapes_do_not_change_scores(style, blocks):
     """Multi-tile programs (Triton `steps`), a padded key axis and split head blocks must
     all give the reference scores."""
-    q, w, k, _ = _inputs(11, b=2, s_q=2, h=32, d=32, length=300, key_format="f32")
-    lengths = jnp.asarray([300, 90], jnp.int32)
+    q, w, k, _ = _inputs(11, b=2, s_q=2, h=32, d=32, length=384, key_format="f32")
+    lengths = jnp.asarray([384, 90], jnp.int32)
     got = ix._score_call(q, w, k, lengths, None, style=style, blocks=blocks, interpret=True)
     want = ix.indexer_scores_ref(q, w, k, lengths)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)

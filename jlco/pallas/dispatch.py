@@ -30,7 +30,7 @@ _no_kernel_p.def_abstract_eval(lambda x, *, op: x)
 
 
 def _no_kernel_lowering(ctx, x, *, op):
-    platforms = ", ".join(ctx.module_context.platforms)
+    platforms = ", ".join(getattr(ctx.module_context, "platforms", None) or ["this one"])
     raise ValueError(f"{op}: impl='pallas' has no Pallas kernel for platform {platforms} "
                      f"(kernels exist for cuda and tpu); use impl='auto' (interpret mode "
                      f"off-accelerator) or impl='xla'")

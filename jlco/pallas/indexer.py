@@ -158,6 +158,14 @@ def _mosaic_kernel(len_ref, q_ref, w_ref, k_ref, *rest, **kw):
     _score_body(length, q_ref, w_ref, k_ref, s_ref[0] if s_ref else None, o_ref, **kw)
 
 
+def _shrink_to_divisor(block, length, minimum):
+    """Halve `block` (down to `minimum`) until it divides `length`: a key axis that is not a
+    multiple of the tile costs a padded copy of the whole key cache every call."""
+    while block > minimum and length % block:
+        block //= 2
+    return block
+
+
 def _prepare(q, weights, k_cache, k_scale, *, block_h, block_n, pad_pow2, int_fp8):
     """Pads heads (zero q rows and zero weights add exactly 0), the head dim (zero columns
     add 0 to q.k) and the key axis to the block grid; bit-casts fp8 bytes to float8 unless
@@ -186,11 +194,13 @@ def _score_call(q, weights, k_cache, lengths, k_scale, *, style, blocks, interpr
     block_n, block_h = blocks["block_n"], blocks["block_h"]
     steps = 1
     if style == "triton":
-        block_n = _next_pow2(max(16, min(block_n, length)))
+        block_n = _shrink_to_divisor(_next_pow2(max(16, min(block_n, length))), length, 16)
         block_h = _next_pow2(max(16, min(block_h, h)))
         steps = max(1, min(blocks.get("steps", 1), -(-length // block_n)))
+        while steps > 1 and length % (block_n * steps):
+            steps -= 1
     else:
-        block_n = length if length <= block_n else block_n
+        block_n = length if length <= block_n else _shrink_to_divisor(block_n, length, 128)
         block_h = h if h <= block_h or h % block_h else block_h
     window = block_n * steps
     int_fp8 = style == "mosaic" and k_cache.dtype == jnp.uint8
