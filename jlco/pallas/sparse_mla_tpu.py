@@ -48,12 +48,13 @@ def _decode_e4m3(codes):
 
 def _byte_pairs(tail, first, count, stride):
     """u16 little-endian words at byte offsets first + stride*j (j < count) of each row of
-    `tail` [rows, t] (f32 byte values) -> [count, rows] int32, via an exact selector matmul."""
+    `tail` [rows, t] (f32 byte values) -> [rows, count] int32, via an exact selector matmul
+    (contracting the byte axis of both operands, so no transpose is needed)."""
     t = tail.shape[1]
     src = lax.broadcasted_iota(jnp.int32, (count, t), 1)
     word = first + stride * lax.broadcasted_iota(jnp.int32, (count, t), 0)
     sel = jnp.where(src == word, 1.0, jnp.where(src == word + 1, 256.0, 0.0))
-    return _dot(sel, tail, _NT).astype(jnp.int32)
+    return _dot(tail, sel, _NT).astype(jnp.int32)
 
 
 def _decode_fp8_block(raw, *, d_nope, d_rope, chunk, cdtype):
@@ -62,13 +63,13 @@ def _decode_fp8_block(raw, *, d_nope, d_rope, chunk, cdtype):
     tail = raw[:, d_nope:].astype(jnp.int32).astype(jnp.float32)
     lo = _byte_pairs(tail, 0, n_chunks, 4)
     hi = _byte_pairs(tail, 2, n_chunks, 4)
-    scales = lax.bitcast_convert_type((hi << 16) | lo, jnp.float32)  # [n_chunks, block_k]
-    rope_bits = _byte_pairs(tail, 4 * n_chunks, d_rope, 2) << 16  # [d_rope, block_k]
-    rope = lax.bitcast_convert_type(rope_bits, jnp.float32).T
+    scales = lax.bitcast_convert_type((hi << 16) | lo, jnp.float32)  # [block_k, n_chunks]
+    rope_bits = _byte_pairs(tail, 4 * n_chunks, d_rope, 2) << 16  # [block_k, d_rope]
+    rope = lax.bitcast_convert_type(rope_bits, jnp.float32)
     vals = []
     for c in range(n_chunks):
         codes = raw[:, c * chunk:(c + 1) * chunk].astype(jnp.int32)
-        vals.append((_decode_e4m3(codes) * scales[c][:, None]).astype(cdtype))
+        vals.append((_decode_e4m3(codes) * scales[:, c:c + 1]).astype(cdtype))
     return vals, rope.astype(cdtype)
 
 
