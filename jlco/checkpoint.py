@@ -35,7 +35,7 @@ from jlco.safetensors_io import FP8_BLOCK, CheckpointError, dequantize_fp8_block
 from jlco.weights import hf_tensor_names, model_from_hf
 
 __all__ = ["CheckpointError", "HFCheckpoint", "ignored_tensors", "load_hf_checkpoint",
-           "expected_hf_tensors", "save_orbax", "restore_orbax", "load_model",
+           "expected_hf_tensors", "check_new_output", "save_orbax", "restore_orbax", "load_model",
            "MANIFEST_NAME", "STATE_DIR", "dequantize_fp8_blocks", "FP8_BLOCK"]
 
 MANIFEST_NAME = "jlco_checkpoint.json"
@@ -232,17 +232,25 @@ def _pure(state: Any) -> Any:
     return nnx.to_pure_dict(state) if isinstance(state, nnx.State) else state
 
 
+def check_new_output(path: str | os.PathLike) -> pathlib.Path:
+    """Absolute `path`, refused if it already holds a checkpoint (checked before a long
+    conversion, and again by save_orbax)."""
+    path = pathlib.Path(path).absolute()
+    if (path / STATE_DIR).exists() or (path / MANIFEST_NAME).exists():
+        raise CheckpointError(f"output {str(path)!r} already holds a checkpoint; "
+                              "choose a new directory")
+    return path
+
+
 def save_orbax(path: str | os.PathLike, cfg: ModelConfig, state: Any,
                tokenizer_dir: str | os.PathLike | None = None) -> pathlib.Path:
     """Write `state` (nnx.State or its pure dict) as an Orbax item + config/manifest JSON.
 
     The path must not hold a checkpoint already: overwriting a model in place would leave
-    a half-written mix if interrupted.
+    a half-written mix if interrupted. The manifest is written last, so a directory
+    without it (an interrupted save) is never taken for a checkpoint.
     """
-    path = pathlib.Path(path).absolute()
-    if (path / STATE_DIR).exists() or (path / MANIFEST_NAME).exists():
-        raise CheckpointError(f"output {str(path)!r} already holds a checkpoint; "
-                              "choose a new directory")
+    path = check_new_output(path)
     path.mkdir(parents=True, exist_ok=True)
     pure = _pure(state)
     ckptr = ocp.StandardCheckpointer()

@@ -10,13 +10,14 @@ re-validating names and without the dequantisation pass, which is why serving re
 from __future__ import annotations
 
 import json
+import sys
 import time
 
 import ml_dtypes
 import numpy as np
-from absl import app, flags
+from absl import app, flags, logging
 
-from jlco.checkpoint import load_hf_checkpoint, save_orbax
+from jlco.checkpoint import CheckpointError, check_new_output, load_hf_checkpoint, save_orbax
 
 _DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float32": np.float32}
 
@@ -35,6 +36,7 @@ def convert(checkpoint: str, output: str, dtype: str = "bfloat16", progress: boo
     from jlco.weights import model_from_hf
     if dtype not in _DTYPES:
         raise ValueError(f"dtype={dtype!r} is invalid: allowed {', '.join(map(repr, _DTYPES))}")
+    check_new_output(output)
     t0 = time.perf_counter()
     ck = load_hf_checkpoint(checkpoint, dtype=_DTYPES[dtype], progress=progress,
                             cfg_overrides={"dtype": dtype})
@@ -54,7 +56,12 @@ def convert(checkpoint: str, output: str, dtype: str = "bfloat16", progress: boo
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    s = convert(FLAGS.checkpoint, FLAGS.output, FLAGS.dtype, FLAGS.progress)
+    if not FLAGS["verbosity"].present:  # Orbax logs every save step at INFO
+        logging.set_verbosity(logging.WARNING)
+    try:
+        s = convert(FLAGS.checkpoint, FLAGS.output, FLAGS.dtype, FLAGS.progress)
+    except CheckpointError as err:
+        sys.exit(f"jlco.convert: {err}")
     print(f"converted {s['hf_tensors']} HF tensors ({s['hf_bytes'] / 2**20:.1f} MiB) -> "
           f"{s['leaves']} {s['dtype']} leaves ({s['bytes'] / 2**20:.1f} MiB) in {s['output']}; "
           f"MTP: {'yes' if s['mtp'] else 'no'}; tokenizer: {'yes' if s['tokenizer'] else 'no'};"

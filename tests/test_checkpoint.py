@@ -106,13 +106,26 @@ def test_sharded_equals_single_and_bf16_output(ckpts):
     assert sharded.tokenizer_path is None
 
 
-def test_bf16_checkpoint_loads_like_library(ckpts):
+def test_bf16_and_f16_checkpoints_load_like_library(ckpts, tmp_path):
     ck = load_hf_checkpoint(ckpts / "bf16", progress=False)
     ref = _lib_tensors(ckpts / "bf16")
     for n, t in ck.tensors.items():
         np.testing.assert_array_equal(t, ref[n], err_msg=n)
     raw = st.read_header(ckpts / "bf16" / st.SINGLE_FILE)
     assert {e.dtype for n, e in raw.items() if "weights_proj" not in n} == {"BF16"}
+    d = _copy(ckpts / "single", tmp_path / "f16",
+              lambda t: t.update({n: a.astype(np.float16) for n, a in t.items()}))
+    f16 = load_hf_checkpoint(d, progress=False)
+    for n, t in _lib_tensors(d).items():
+        np.testing.assert_array_equal(f16.tensors[n], t, err_msg=n)
+
+
+def test_progress_goes_to_stderr_and_can_be_silenced(ckpts, capsys):
+    load_hf_checkpoint(ckpts / "sharded", progress=True)
+    out, err = capsys.readouterr()
+    assert out == "" and "loading HF tensors" in err and "model-000" in err
+    load_hf_checkpoint(ckpts / "sharded", progress=False)
+    assert capsys.readouterr() == ("", "")
 
 
 def test_writer_reader_interop_with_library(tmp_path):
@@ -377,3 +390,6 @@ def test_convert_cli_fp8_with_mtp(ckpts, tmp_path):
     _assert_same_leaves(nnx.state(model), nnx.state(from_twin))
     np.testing.assert_array_equal(np.asarray(model.mtp.eh_proj.weight[...]),
                                   twin.tensors["model.layers.3.eh_proj.weight"].T)
+    from jlco.convert import convert
+    with pytest.raises(CheckpointError, match="already holds a checkpoint"):
+        convert(str(tmp_path / "fp8"), str(out))
