@@ -33,7 +33,7 @@ def param(rngs: nnx.Rngs, shape: tuple[int, ...], dtype, axes: tuple[str | None,
         value = jnp.zeros(shape, dtype)
     else:
         value = (std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
-    return nnx.Param(value, sharding_names=axes, eager_sharding=False)
+    return nnx.Param(value, out_sharding=axes, eager_sharding=False)
 
 
 class Linear(nnx.Module):

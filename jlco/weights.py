@@ -149,12 +149,12 @@ def model_from_hf(cfg: ModelConfig, tensors: Mapping[str, np.ndarray], *,
     for path, var in flat.items():
         if path not in values:
             raise ValueError(f"internal: parameter {'.'.join(map(str, path))} has no HF tensor")
-        want = var.value if hasattr(var, "value") else var
+        want = var.get_value()
         arr = values[path]
         if arr.shape != tuple(want.shape):
             raise ValueError(f"internal: {'.'.join(map(str, path))} got {arr.shape}, "
                              f"want {want.shape}")
-        var.value = jnp.asarray(arr, dtype=want.dtype)
+        var.set_value(jnp.asarray(arr, dtype=want.dtype))
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 
