@@ -175,17 +175,19 @@ def test_reference_against_numpy_loop():
     assert idn[-1, 0, 0] == idn[-1, 0, 1] == 5
 
 
-@pytest.mark.parametrize("backend,interpret,block_h,block_k", [
-    ("auto", False, None, None), ("auto", False, 16, 32), ("mosaic_tpu", True, 8, 8),
-    ("triton", True, 2, 40)])
-def test_backends_and_block_sizes(backend, interpret, block_h, block_k):
+@pytest.mark.parametrize("backend,interpret,block_h,block_k,splits", [
+    ("auto", False, None, None, None), ("auto", False, 16, 32, 2), ("mosaic_tpu", True, 8, 8,
+                                                                    None),
+    ("triton", True, 2, 40, None), ("triton", True, 16, 16, 3)])
+def test_backends_and_block_sizes(backend, interpret, block_h, block_k, splits):
     """backend='auto' without interpret goes through lax.platform_dependent, which traces
     every branch and on CPU runs the interpret-mode kernel; explicit blocks (topk padded
-    with -1 when block_k does not divide it) agree too."""
+    with -1 when block_k does not divide it) and top-k splits merged by lse agree too (the
+    query with no valid id makes every split empty: out 0, lse +inf after the merge)."""
     q, kv, idx = _case(11, s_q=2, h=16, topk=36, fmt="bf16", q_dtype=jnp.bfloat16)
     kw = dict(kv_format="bf16", d_rope=16)
     out, lse = sparse_mla_decode(q, kv, idx, 0.5, block_h=block_h, block_k=block_k,
-                                 backend=backend, interpret=interpret, **kw)
+                                 backend=backend, interpret=interpret, num_splits=splits, **kw)
     _assert_matches(out, lse, *sparse_mla_decode_ref(q, kv, idx, 0.5, **kw), 2e-2)
 
 
@@ -207,6 +209,7 @@ def _bad(**over):
     (dict(kv_cache=jnp.zeros((10, 144)), kv_format="fp8"), "kv_cache must be uint8"),
     (dict(d_rope=144), "d_rope must be"),
     (dict(d_v=64), "d_v must be None or"),
+    (dict(num_splits=0), "num_splits must be >= 1"),
     (dict(block_h=3), "block_h must divide"),
     (dict(block_h=2, backend="triton"), "power of two >= 16"),
     (dict(block_h=2), "power of two >= 16"),  # auto traces the Triton branch too

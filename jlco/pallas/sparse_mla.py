@@ -36,6 +36,8 @@ BACKENDS = ("auto", "triton", "mosaic_tpu")
 # several times faster than the TPU one (no per-row DMA emulation) and is checked against
 # the reference in the same tests.
 CPU_INTERPRET_BACKEND = "triton"
+GPU_TARGET_PROGRAMS = 264  # Triton default: ~2 programs per SM on H100/H200 (132 SMs)
+MAX_AUTO_SPLITS = 8
 
 
 def _check_inputs(q, kv_cache, indices, softmax_scale, kv_format, d_v, d_rope):
@@ -83,10 +85,10 @@ def _check_inputs(q, kv_cache, indices, softmax_scale, kv_format, d_v, d_rope):
 
 def sparse_mla_decode_ref(q, kv_cache, indices, softmax_scale, *, kv_format, d_v=None,
                           d_rope=64, block_h=None, block_k=None, backend="auto",
-                          interpret=False, num_warps=None, num_stages=None):
+                          interpret=False, num_splits=None, num_warps=None, num_stages=None):
     """Plain-jnp reference (gather + f32 softmax); same contract. Block/backend arguments
     are accepted so callers can swap the two functions, and ignored."""
-    del block_h, block_k, backend, interpret, num_warps, num_stages
+    del block_h, block_k, backend, interpret, num_splits, num_warps, num_stages
     d_nope = _check_inputs(q, kv_cache, indices, softmax_scale, kv_format, d_v, d_rope)
     return _ref(q, kv_cache, indices, float(softmax_scale), kv_format=kv_format,
                 d_nope=d_nope, d_rope=d_rope)
@@ -145,14 +147,31 @@ def _check_blocks(backend, h, block_h, block_k, explicit_h, interpret):
                                  f"(tl.dot tile), got {v}")
 
 
+def _splits(backend, interpret, programs, n_blocks, num_splits):
+    """Top-k splits for the Triton kernel: enough programs for ~2 waves on a 132-SM GPU
+    (a decode batch of a few tokens x 2 head blocks would leave most SMs idle)."""
+    if backend != "triton":
+        return 1
+    if num_splits is not None:
+        if num_splits < 1:
+            raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+        return num_splits
+    if interpret:
+        return 1
+    want = -(-GPU_TARGET_PROGRAMS // programs)
+    return max(1, min(MAX_AUTO_SPLITS, n_blocks, 1 << (want - 1).bit_length()))
+
+
 def _run_kernel(backend, interpret, q, kv, idx, softmax_scale, *, fp8, d_nope, d_rope,
-                block_h, block_k, num_warps, num_stages):
+                block_h, block_k, num_splits, num_warps, num_stages):
     """One kernel on flattened tokens: q [B, h, d_qk], idx [B, topk]."""
     h, topk = q.shape[1], idx.shape[1]
     explicit_h = block_h
     block_h, block_k, h_pad = _blocks(backend, h, topk, block_h, block_k)
     _check_blocks(backend, h, block_h, block_k, explicit_h, interpret)
-    k_pad = -(-topk // block_k) * block_k
+    splits = _splits(backend, interpret, q.shape[0] * (h_pad // block_h),
+                     -(-topk // block_k), num_splits)
+    k_pad = -(-topk // (block_k * splits)) * block_k * splits
     if k_pad != topk:
         idx = jnp.pad(idx, ((0, 0), (0, k_pad - topk)), constant_values=-1)
     if h_pad != h:
@@ -160,7 +179,8 @@ def _run_kernel(backend, interpret, q, kv, idx, softmax_scale, *, fp8, d_nope, d
     common = dict(fp8=fp8, d_nope=d_nope, d_rope=d_rope, block_h=block_h, block_k=block_k,
                   interpret=interpret)
     if backend == "triton":
-        out, lse = sparse_mla_triton(q, kv, idx, softmax_scale, num_warps=num_warps or 8,
+        out, lse = sparse_mla_triton(q, kv, idx, softmax_scale, num_splits=splits,
+                                     num_warps=num_warps or 8,
                                      num_stages=num_stages or 2, **common)
     else:
         out, lse = sparse_mla_tpu(q, kv, idx, softmax_scale, **common)
@@ -169,15 +189,16 @@ def _run_kernel(backend, interpret, q, kv, idx, softmax_scale, *, fp8, d_nope, d
 
 @functools.partial(jax.jit, static_argnames=(
     "softmax_scale", "kv_format", "d_rope", "block_h", "block_k", "backend", "interpret",
-    "num_warps", "num_stages"))
+    "num_splits", "num_warps", "num_stages"))
 def _decode(q, kv_cache, indices, softmax_scale, *, kv_format, d_rope, block_h, block_k,
-            backend, interpret, num_warps, num_stages):
+            backend, interpret, num_splits, num_warps, num_stages):
     b, s_q, h, d_qk = q.shape
     qf = q.reshape(b * s_q, h, d_qk)
     idx = indices.reshape(b * s_q, indices.shape[2])
     run = functools.partial(_run_kernel, softmax_scale=softmax_scale, fp8=kv_format == "fp8",
                             d_nope=d_qk - d_rope, d_rope=d_rope, block_h=block_h,
-                            block_k=block_k, num_warps=num_warps, num_stages=num_stages)
+                            block_k=block_k, num_splits=num_splits, num_warps=num_warps,
+                            num_stages=num_stages)
     with jax.named_scope("sparse_mla_decode"):
         if backend != "auto":
             out, lse = run(backend, interpret, qf, kv_cache, idx)
@@ -194,12 +215,14 @@ def _decode(q, kv_cache, indices, softmax_scale, *, kv_format, d_rope, block_h, 
 
 def sparse_mla_decode(q, kv_cache, indices, softmax_scale, *, kv_format, d_v=None, d_rope=64,
                       block_h=None, block_k=None, backend="auto", interpret=False,
-                      num_warps=None, num_stages=None):
+                      num_splits=None, num_warps=None, num_stages=None):
     """Sparse MLA decode with a Pallas kernel; contract in the module docstring.
 
     block_h: heads per program (must divide h); default 64-ish on GPU (each gathered row
     block is reused by block_h heads), all heads (<= 128) on TPU. block_k: rows per
-    inner step (topk is padded with -1 to a multiple). num_warps / num_stages: Triton only.
+    inner step (topk is padded with -1 to a multiple). Triton only: num_splits (top-k
+    splits merged by lse; default fills ~2 waves of a 132-SM GPU, 1 in interpret mode),
+    num_warps (8), num_stages (2).
     softmax_scale must be a Python float (it is baked into the kernel).
     """
     if backend not in BACKENDS:
@@ -207,4 +230,5 @@ def sparse_mla_decode(q, kv_cache, indices, softmax_scale, *, kv_format, d_v=Non
     _check_inputs(q, kv_cache, indices, softmax_scale, kv_format, d_v, d_rope)
     return _decode(q, kv_cache, indices, float(softmax_scale), kv_format=kv_format,
                    d_rope=d_rope, block_h=block_h, block_k=block_k, backend=backend,
-                   interpret=bool(interpret), num_warps=num_warps, num_stages=num_stages)
+                   interpret=bool(interpret), num_splits=num_splits, num_warps=num_warps,
+                   num_stages=num_stages)

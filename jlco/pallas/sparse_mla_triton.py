@@ -64,14 +64,17 @@ def _load_chunks(kv_ref, rows, *, fp8, d_nope, d_rope, chunk, cdtype):
 
 def _kernel(idx_ref, q_ref, kv_ref, out_ref, lse_ref, *, fp8, d_nope, d_rope, chunk,
             block_k, n_blocks, softmax_scale, cdtype):
+    """One (token, head block, top-k split): normalised partial output and its lse
+    (-inf when the split has no valid row; the wrapper merges splits)."""
     block_h = q_ref.shape[0]
+    first_block = pl.program_id(2) * n_blocks
     n_chunks = d_nope // chunk
     q_nope = [q_ref[:, pl.ds(c * chunk, chunk)].astype(cdtype) for c in range(n_chunks)]
     q_rope = q_ref[:, pl.ds(d_nope, d_rope)].astype(cdtype)
 
     def body(kb, carry):
         m, l, accs = carry
-        ids = idx_ref[pl.ds(kb * block_k, block_k)]
+        ids = idx_ref[pl.ds((first_block + kb) * block_k, block_k)]
         valid = ids >= 0
         rows = jnp.where(valid, ids, 0)
         vals, scales, rope = _load_chunks(kv_ref, rows, fp8=fp8, d_nope=d_nope,
@@ -100,36 +103,53 @@ def _kernel(idx_ref, q_ref, kv_ref, out_ref, lse_ref, *, fp8, d_nope, d_rope, ch
     inv_l = jnp.where(empty, 0.0, 1.0 / jnp.where(empty, 1.0, l))
     for c in range(n_chunks):
         out_ref[:, pl.ds(c * chunk, chunk)] = (accs[c] * inv_l[:, None]).astype(out_ref.dtype)
-    lse_ref[...] = jnp.where(empty, jnp.inf, m + jnp.log(jnp.where(empty, 1.0, l)))
+    lse_ref[...] = jnp.where(empty, -jnp.inf, m + jnp.log(jnp.where(empty, 1.0, l)))
+
+
+def _merge_splits(out, lse):
+    """out [S, B, h, d] f32, lse [S, B, h] (-inf = empty split) -> merged out, lse (+inf
+    when every split is empty). Why: small batches need top-k splits to fill the GPU."""
+    m = jnp.max(lse, axis=0)
+    m_safe = jnp.where(m == -jnp.inf, 0.0, m)
+    w = jnp.exp(lse - m_safe)  # [S, B, h]
+    total = jnp.sum(w, axis=0)
+    empty = total == 0.0
+    merged = jnp.einsum("sbh,sbhd->bhd", w, out) / jnp.where(empty, 1.0, total)[..., None]
+    return merged, jnp.where(empty, jnp.inf, m_safe + jnp.log(jnp.where(empty, 1.0, total)))
 
 
 def sparse_mla_triton(q, kv, idx, softmax_scale, *, fp8, d_nope, d_rope, block_h, block_k,
-                      num_warps, num_stages, interpret):
-    """q [B, h, d_qk], kv [n, width], idx [B, topk] (topk % block_k == 0, h % block_h == 0)
-    -> out [B, h, d_nope] (q.dtype), lse [B, h] f32."""
+                      num_splits, num_warps, num_stages, interpret):
+    """q [B, h, d_qk], kv [n, width], idx [B, topk] (topk % (block_k*num_splits) == 0,
+    h % block_h == 0) -> out [B, h, d_nope] (q.dtype), lse [B, h] f32."""
     big, h, d_qk = q.shape
     topk = idx.shape[1]
     chunk = 128 if d_nope % 128 == 0 else d_nope
     cdtype = q.dtype if fp8 else jnp.promote_types(q.dtype, kv.dtype)
     kernel = functools.partial(
         _kernel, fp8=fp8, d_nope=d_nope, d_rope=d_rope, chunk=chunk, block_k=block_k,
-        n_blocks=topk // block_k, softmax_scale=float(softmax_scale), cdtype=cdtype)
+        n_blocks=topk // block_k // num_splits, softmax_scale=float(softmax_scale),
+        cdtype=cdtype)
+    part_dtype = q.dtype if num_splits == 1 else jnp.float32
     out, lse = pl.pallas_call(
         kernel,
-        grid=(big, h // block_h),
+        grid=(big, h // block_h, num_splits),
         in_specs=[
-            pl.BlockSpec((None, topk), lambda i, j: (i, 0)),
-            pl.BlockSpec((None, block_h, d_qk), lambda i, j: (i, j, 0)),
-            pl.BlockSpec(kv.shape, lambda i, j: (0, 0)),  # whole cache: rows are gathered
+            pl.BlockSpec((None, topk), lambda i, j, k: (i, 0)),
+            pl.BlockSpec((None, block_h, d_qk), lambda i, j, k: (i, j, 0)),
+            pl.BlockSpec(kv.shape, lambda i, j, k: (0, 0)),  # whole cache: rows are gathered
         ],
         out_specs=[
-            pl.BlockSpec((None, block_h, d_nope), lambda i, j: (i, j, 0)),
-            pl.BlockSpec((None, block_h), lambda i, j: (i, j)),
+            pl.BlockSpec((None, None, block_h, d_nope), lambda i, j, k: (k, i, j, 0)),
+            pl.BlockSpec((None, None, block_h), lambda i, j, k: (k, i, j)),
         ],
-        out_shape=[jax.ShapeDtypeStruct((big, h, d_nope), q.dtype),
-                   jax.ShapeDtypeStruct((big, h), jnp.float32)],
+        out_shape=[jax.ShapeDtypeStruct((num_splits, big, h, d_nope), part_dtype),
+                   jax.ShapeDtypeStruct((num_splits, big, h), jnp.float32)],
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="sparse_mla_decode_triton",
     )(idx, q, kv)
-    return out, lse
+    if num_splits == 1:
+        return out[0], jnp.where(lse[0] == -jnp.inf, jnp.inf, lse[0])
+    out, lse = _merge_splits(out, lse)
+    return out.astype(q.dtype), lse
