@@ -40,6 +40,17 @@ def decode_rows(rows: jax.Array, kv_format: str, d_rope: int) -> jax.Array:
     return rows.astype(jnp.float32)
 
 
+def kernel_rows(rows: jax.Array, kv_format: str) -> jax.Array:
+    """Rows in the kernels' form: raw uint8 row bytes of f32/bf16 rows (as a byte cache or
+    an offload hot buffer holds them) are bit-cast to [n, c + r] floats; fp8 rows and rows
+    that are already float pass through."""
+    if kv_format == "fp8" or rows.dtype != jnp.uint8:
+        return rows
+    dt, width = (jnp.float32, 4) if kv_format == "f32" else (jnp.bfloat16, 2)
+    n, row = rows.shape
+    return jax.lax.bitcast_convert_type(rows.reshape(n, row // width, width), dt)
+
+
 def sparse_mla_xla(q, kv_cache, indices, softmax_scale, *, kv_format, d_rope):
     """Gather the selected latent rows and attend over them (absorbed MLA).
 
@@ -91,11 +102,12 @@ def indexer_topk_xla(q, weights, k_cache, lengths, topk, *, k_scale=None, key_fo
 
 
 def sparse_mla(q, kv_cache, indices, softmax_scale, *, kv_format, d_rope, impl="auto"):
-    """Absorbed sparse MLA. q [b,s,h,c+r]; kv_cache rows [n, c+r] float for kv_format
-    f32/bf16 or [n, row_bytes] uint8 for fp8; indices [b,s,k] global row ids (−1 invalid)
+    """Absorbed sparse MLA. q [b,s,h,c+r]; kv_cache rows [n, c+r] float (or their raw
+    uint8 bytes) for kv_format f32/bf16, [n, row_bytes] uint8 for fp8; indices [b,s,k] global row ids (−1 invalid)
     → (out [b,s,h,c], lse [b,s,h])."""
     _check("impl", impl, _IMPLS)
     _check("kv_format", kv_format, _KV_FORMATS)
+    kv_cache = kernel_rows(kv_cache, kv_format)
     mod = _dispatch()
     if mod is not None:
         return mod.sparse_mla(q, kv_cache, indices, softmax_scale, kv_format=kv_format,
