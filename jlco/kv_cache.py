@@ -15,34 +15,39 @@ from __future__ import annotations
 
 import dataclasses
 from functools import partial
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from jlco.config import Config
 from jlco.fp8_emul import quantize_e4m3
+from jlco.offload import latent as offload_latent
 
 
 @partial(jax.tree_util.register_dataclass,
-         data_fields=("latent", "index_k", "index_scale", "lengths"),
+         data_fields=("latent", "index_k", "index_scale", "lengths", "record"),
          meta_fields=("kv_format", "key_format", "d_rope"))
 @dataclasses.dataclass(frozen=True)
 class DecodeCache:
-    latent: jax.Array                 # uint8 [layers, b, t, row_bytes]
+    latent: Any                       # uint8 [layers, b, t, row_bytes], or OffloadLatent
     index_k: jax.Array                # [layers, b, t, D]: f32 | uint16 (bf16 bits) | uint8 (e4m3)
     index_scale: jax.Array | None     # f32 [layers, b, t] when key_format == "fp8"
     lengths: jax.Array                # int32 [b]: tokens cached per request
     kv_format: str
     key_format: str
     d_rope: int
+    # int32 [layers, b, s, k]: the last top-k positions each layer selected (None = off).
+    # The engine reads it for the admission warm-up set and for top-k traces.
+    record: jax.Array | None = None
 
     @property
     def batch(self) -> int:
-        return self.latent.shape[1]
+        return self.index_k.shape[1]
 
     @property
     def max_len(self) -> int:
-        return self.latent.shape[2]
+        return self.index_k.shape[2]
 
     @property
     def num_layers(self) -> int:
@@ -59,8 +64,11 @@ def _key_storage_dtype(cfg: Config):
     return jnp.float32 if cfg.model.dtype == "float32" else jnp.uint16
 
 
-def init_cache(cfg: Config, batch: int | None = None, max_len: int | None = None) -> DecodeCache:
-    """Zeroed cache for `batch` requests of up to `max_len` tokens (engine defaults)."""
+def init_cache(cfg: Config, batch: int | None = None, max_len: int | None = None,
+               latent: Any = None) -> DecodeCache:
+    """Zeroed cache for `batch` requests of up to `max_len` tokens (engine defaults).
+    `latent` replaces the device latent array (the offload engine passes its
+    OffloadLatent, so the full latent cache is never allocated on device)."""
     b = cfg.engine.max_batch_size if batch is None else batch
     t = cfg.engine.max_context_len if max_len is None else max_len
     if b <= 0 or t <= 0:
@@ -71,7 +79,7 @@ def init_cache(cfg: Config, batch: int | None = None, max_len: int | None = None
         raise ValueError(f"cache.indexer_key_format='fp8' keeps one scale per token: "
                          f"model.index_head_dim ({m.index_head_dim}) must be <= 128")
     return DecodeCache(
-        latent=jnp.zeros((n, b, t, cfg.row_bytes), jnp.uint8),
+        latent=jnp.zeros((n, b, t, cfg.row_bytes), jnp.uint8) if latent is None else latent,
         index_k=jnp.zeros((n, b, t, m.index_head_dim), _key_storage_dtype(cfg)),
         index_scale=jnp.zeros((n, b, t), jnp.float32) if fp8_keys else None,
         lengths=jnp.zeros((b,), jnp.int32),
@@ -101,22 +109,26 @@ def write_latent(cache: DecodeCache, layer: int, rows: jax.Array,
     """Store latent rows [b, s, c + r] at token positions [b, s] of `layer`."""
     with jax.named_scope("write_latent"):
         data = encode_rows(rows, cache.kv_format, cache.d_rope)
+        if isinstance(cache.latent, offload_latent.OffloadLatent):
+            lat = offload_latent.write_latent(cache.latent, layer, data, positions)
+            return dataclasses.replace(cache, latent=lat)
         return dataclasses.replace(cache, latent=_scatter(cache.latent, layer, positions, data))
 
 
-def latent_for_attention(cache: DecodeCache, layer: int,
-                         positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+def latent_for_attention(cache: DecodeCache, layer: int, positions: jax.Array
+                         ) -> tuple[DecodeCache, jax.Array, jax.Array]:
     """Rows and global row ids for sparse MLA: positions [b, s, k] (−1 = none) →
-    (rows [b·t, ·] in the kernel's form: f32/bf16 latent values, or the fp8 row bytes;
-    ids [b, s, k] = b·t + position, −1 kept)."""
+    (cache, rows [n, row_bytes], ids [b, s, k] into rows, −1 kept). On device n = b·t and
+    ids = b·t + position; offloaded, n = b·m hot slots and misses are fetched first."""
+    if cache.record is not None and cache.record.shape[2:] == positions.shape[1:]:
+        cache = dataclasses.replace(cache, record=cache.record.at[layer].set(positions))
+    if isinstance(cache.latent, offload_latent.OffloadLatent):
+        lat, rows, ids = offload_latent.latent_for_attention(cache.latent, layer, positions)
+        return dataclasses.replace(cache, latent=lat), rows, ids
     lat = cache.latent[layer]
     b, t, row = lat.shape
-    rows = lat.reshape(b * t, row)
-    if cache.kv_format != "fp8":
-        dt, width = (jnp.float32, 4) if cache.kv_format == "f32" else (jnp.bfloat16, 2)
-        rows = jax.lax.bitcast_convert_type(rows.reshape(b * t, row // width, width), dt)
     ids = jnp.arange(b, dtype=jnp.int32)[:, None, None] * t + positions
-    return rows, jnp.where(positions >= 0, ids, -1).astype(jnp.int32)
+    return cache, lat.reshape(b * t, row), jnp.where(positions >= 0, ids, -1).astype(jnp.int32)
 
 
 def write_index_key(cache: DecodeCache, layer: int, k: jax.Array,
@@ -146,5 +158,9 @@ def index_keys(cache: DecodeCache, layer: int) -> tuple[jax.Array, jax.Array | N
 
 
 def advance(cache: DecodeCache, n_new: jax.Array) -> DecodeCache:
-    """lengths += n_new [b] (real tokens written this step)."""
-    return dataclasses.replace(cache, lengths=cache.lengths + n_new.astype(jnp.int32))
+    """lengths += n_new [b] (real tokens written this step); the offload step counter
+    (hot-buffer stamps) moves on."""
+    lat = cache.latent
+    if isinstance(lat, offload_latent.OffloadLatent):
+        lat = offload_latent.next_step(lat)
+    return dataclasses.replace(cache, latent=lat, lengths=cache.lengths + n_new.astype(jnp.int32))

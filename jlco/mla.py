@@ -67,7 +67,7 @@ class MLA(nnx.Module):
             q = self.queries(qr, cos, sin)
             topk_pos, cache = self.indexer(x, qr, cos, sin, cache, layer, positions,
                                            kernel_lengths, impl)
-            rows, ids = kv_cache.latent_for_attention(cache, layer, topk_pos)
+            cache, rows, ids = kv_cache.latent_for_attention(cache, layer, topk_pos)
             out, _ = attention.sparse_mla(q, rows, ids, cfg.softmax_scale,
                                           kv_format=cache.kv_format,
                                           d_rope=cfg.qk_rope_head_dim, impl=impl)

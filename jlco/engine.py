@@ -1,0 +1,280 @@
+"""The decode engine: a fixed batch of request slots decoded together, with the MLA
+latent cache on device (offload off) or in host memory behind a device hot buffer
+(offload on). Requests join when a slot and their memory are free, leave when done or
+aborted, and every page and slot they held returns.
+
+A new request is prefilled alone on a one-request device cache (as a PD-disaggregated
+decode node receives a finished prefill), then installed in its slot: with offload its
+latent rows go to its host pages and the hot buffer is warmed with the top-k of the last
+prefill queries (ESS). Then each `step()` runs one jitted decode step for all slots.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import SingleDeviceSharding
+
+from jlco import engine_steps
+from jlco.config import Config
+from jlco.decode import prefill
+from jlco.kv_cache import DecodeCache, cache_layers, init_cache
+from jlco.offload.latent import STAT_NAMES, OffloadLatent
+from jlco.offload.metrics import OffloadMetrics
+from jlco.offload.pages import PageAllocator
+
+WARMUP_QUERIES = 32   # ESS: top-k of the last 32 prefill query positions
+
+
+class RequestError(ValueError):
+    """A request field is invalid; the message names it and what is allowed."""
+
+
+@dataclasses.dataclass
+class Request:
+    id: int
+    prompt: list[int]
+    max_new_tokens: int
+    temperature: float = 0.0
+    seed: int = 0
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    status: str = "waiting"          # waiting | running | finished | aborted
+    slot: int | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.status in ("finished", "aborted")
+
+
+class Engine:
+    """Continuous batching over `cfg.engine.max_batch_size` slots (s_q = 1 per step)."""
+
+    def __init__(self, cfg: Config, model, *, impl: str | None = None):
+        self.cfg = cfg
+        self.impl = impl or cfg.engine.attention_impl
+        self.graphdef, self.state = nnx.split(model)
+        self.batch = cfg.engine.max_batch_size
+        self.max_len = cfg.engine.max_context_len
+        self.offload = cfg.cache.offload
+        self.slots: list[Request | None] = [None] * self.batch
+        self.waiting: list[Request] = []
+        self.requests: dict[int, Request] = {}
+        self._ids = itertools.count()
+        self.step_count = 0
+        self.step_seconds: list[float] = []
+        self.metrics = OffloadMetrics(cache_layers(cfg), cfg.row_bytes) if self.offload else None
+        self.pages = None
+        self.warmup_rows = 0   # rows fetched by admission warm-ups (all layers)
+        self.cache = self._init_cache()
+        self._jit_step = self._compile_step()
+
+    # ---- construction -------------------------------------------------------------
+    def _init_cache(self) -> DecodeCache:
+        cfg = self.cfg
+        if not self.offload:
+            return init_cache(cfg)
+        if cfg.cache.storage == "file" or cfg.cache.fetch_path == "host_driven":
+            raise NotImplementedError(
+                f"cache.storage={cfg.cache.storage!r} / cache.fetch_path="
+                f"{cfg.cache.fetch_path!r}: the engine runs the in-jit fetch from pinned_host "
+                "or unpinned_host memory; the host-driven path exists as a building block "
+                "(jlco.offload.fetch) but is not wired into the engine yet")
+        page = cfg.cache.page_size
+        pages_per_req = -(-self.max_len // page)
+        num_pages = self.batch * pages_per_req
+        self.pages = PageAllocator(num_pages, page)
+        dev = jax.devices()[0]
+        host = SingleDeviceSharding(dev, memory_kind=cfg.cache.storage)
+        n_layers, cap, rb = cache_layers(cfg), cfg.staging_capacity, cfg.row_bytes
+        zeros = jax.jit(lambda: jnp.zeros((num_pages * page, rb), jnp.uint8), out_shardings=host)
+        lat = OffloadLatent(
+            rows=jnp.zeros((n_layers, self.batch, cap, rb), jnp.uint8),
+            slot_pos=jnp.full((n_layers, self.batch, cap), -1, jnp.int32),
+            slot_stamp=jnp.full((n_layers, self.batch, cap), -1, jnp.int32),
+            host=tuple(zeros() for _ in range(n_layers)),
+            page_table=jnp.full((self.batch, pages_per_req), -1, jnp.int32),
+            step=jnp.int32(0), stats=jnp.zeros((n_layers, len(STAT_NAMES)), jnp.int32),
+            policy=cfg.cache.eviction, page_size=page, chunk_rows=self._chunk_rows())
+        return init_cache(cfg, latent=lat)
+
+    def _chunk_rows(self) -> int:
+        """In-jit fetch moves misses in chunks of this many rows (0 = one padded gather
+        of every possible miss); the prefetch window bounds it."""
+        return max(0, min(self.cfg.cache.prefetch_window, self.cfg.staging_capacity))
+
+    def _shardings(self, tree):
+        return jax.tree.map(lambda x: x.sharding, tree)
+
+    def _compile_step(self):
+        fn = functools.partial(engine_steps.decode_step, impl=self.impl)
+        if not self.offload:
+            return jax.jit(fn, donate_argnums=2)
+        dev = SingleDeviceSharding(jax.devices()[0])
+        return jax.jit(fn, donate_argnums=2, out_shardings=(dev, dev, self._shardings(self.cache)))
+
+    @functools.cached_property
+    def _jit_install(self):
+        if not self.offload:
+            return jax.jit(engine_steps.install, donate_argnums=0)
+        return jax.jit(engine_steps.install, donate_argnums=0,
+                       out_shardings=self._shardings(self.cache))
+
+    @functools.cached_property
+    def _jit_warm_up(self):
+        dev = SingleDeviceSharding(jax.devices()[0])
+        return jax.jit(engine_steps.warm_up, donate_argnums=0,
+                       out_shardings=(self._shardings(self.cache), dev))
+
+    # ---- requests -----------------------------------------------------------------
+    def submit(self, prompt, max_new_tokens: int, temperature: float = 0.0,
+               seed: int = 0) -> Request:
+        """Queue a request; invalid fields raise RequestError naming the field."""
+        vocab = self.cfg.model.vocab_size
+        prompt = list(prompt)
+        if not prompt or not all(isinstance(t, (int, np.integer)) and 0 <= t < vocab
+                                 for t in prompt):
+            raise RequestError(f"prompt: must be a non-empty list of token ids in 0..{vocab - 1}")
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise RequestError(f"max_new_tokens={max_new_tokens!r}: allowed an integer >= 1")
+        if len(prompt) + max_new_tokens > self.max_len:
+            raise RequestError(f"len(prompt) + max_new_tokens = {len(prompt) + max_new_tokens} "
+                               f"exceeds engine.max_context_len={self.max_len}")
+        if not (isinstance(temperature, (int, float)) and 0.0 <= temperature <= 100.0):
+            raise RequestError(f"temperature={temperature!r}: allowed 0 (greedy) .. 100")
+        req = Request(next(self._ids), [int(t) for t in prompt], max_new_tokens,
+                      float(temperature), int(seed))
+        self.requests[req.id] = req
+        self.waiting.append(req)
+        return req
+
+    def abort(self, request_id: int) -> None:
+        req = self.requests[request_id]
+        if req.done:
+            return
+        if req in self.waiting:
+            self.waiting.remove(req)
+        self._release(req, "aborted")
+
+    def _release(self, req: Request, status: str) -> None:
+        req.status = status
+        if req.slot is not None:
+            self.slots[req.slot] = None
+            req.slot = None
+        if self.pages is not None and req.id in self.pages.requests:
+            self.pages.release(req.id)
+
+    # ---- admission ----------------------------------------------------------------
+    def _admit(self) -> None:
+        while self.waiting and None in self.slots:
+            req = self.waiting[0]
+            if self.pages is not None:
+                need = len(req.prompt) + req.max_new_tokens
+                if self.pages.pages_needed(need) > self.pages.free_pages:
+                    return   # waits until pages come back
+                self.pages.reserve(req.id, need)
+            self.waiting.pop(0)
+            slot = self.slots.index(None)
+            req.slot, req.status = slot, "running"
+            self.slots[slot] = req
+            self._prefill_into(req, slot)
+
+    def _prefill_into(self, req: Request, slot: int) -> None:
+        cfg, n = self.cfg, len(req.prompt)
+        temp = init_cache(cfg, batch=1, max_len=self.max_len)
+        w = min(WARMUP_QUERIES, n)
+        if self.offload:
+            temp = dataclasses.replace(temp, record=jnp.full(
+                (cache_layers(cfg), 1, w, cfg.model.index_topk), -1, jnp.int32))
+        toks = np.asarray([req.prompt], np.int32)
+        model = (self.graphdef, self.state)
+        if n > w:
+            _, _, temp = prefill(model, temp, toks[:, :n - w], chunk=cfg.engine.prefill_chunk,
+                                 impl=self.impl)
+        logits, _, temp = prefill(model, temp, toks[:, n - w:], chunk=w, impl=self.impl)
+        page_row = None
+        if self.offload:
+            page_row = jnp.asarray(self.pages.page_table([req.id], self.cache.latent.page_table
+                                                         .shape[1])[0])
+        self.cache = self._jit_install(self.cache, temp, jnp.int32(slot), jnp.int32(n), page_row)
+        if self.offload:
+            self.cache, fetched = self._jit_warm_up(self.cache, jnp.int32(slot), temp.record[:, 0])
+            self.warmup_rows += int(fetched)
+        self._emit(req, logits[0])
+
+    def _emit(self, req: Request, logits) -> None:
+        """First token from the prefill logits (same sampler as the decode step)."""
+        key = jax.random.fold_in(jax.random.PRNGKey(req.seed), 0)
+        tok, logp = engine_steps._sample_rows(logits[None].astype(jnp.float32),
+                                              jnp.asarray([req.temperature], jnp.float32),
+                                              key[None])
+        self._append(req, int(tok[0]), float(logp[0]))
+
+    def _append(self, req: Request, tok: int, logp: float) -> None:
+        req.tokens.append(tok)
+        req.logprobs.append(logp)
+        if len(req.tokens) >= req.max_new_tokens:
+            self._release(req, "finished")
+
+    # ---- decoding -----------------------------------------------------------------
+    def step(self) -> bool:
+        """Admit what fits, then decode one token for every running request.
+        Returns False when nothing is left to do."""
+        self._admit()
+        running = [r for r in self.slots if r is not None]
+        if not running:
+            return bool(self.waiting)
+        tokens = np.zeros((self.batch, 1), np.int32)
+        active = np.zeros((self.batch,), bool)
+        temps = np.zeros((self.batch,), np.float32)
+        keys = np.zeros((self.batch, 2), np.uint32)
+        for r in running:
+            tokens[r.slot, 0], active[r.slot], temps[r.slot] = r.tokens[-1], True, r.temperature
+            keys[r.slot] = np.asarray(jax.random.fold_in(jax.random.PRNGKey(r.seed),
+                                                         len(r.tokens)))
+        t0 = time.perf_counter()
+        tok, logp, self.cache = self._jit_step(self.graphdef, self.state, self.cache,
+                                               tokens, active, temps, keys)
+        stats = self.cache.latent.stats if self.offload else None
+        tok, logp, stats = jax.device_get((tok, logp, stats))   # the step's one sync
+        self.step_seconds.append(time.perf_counter() - t0)
+        self.step_count += 1
+        if stats is not None:
+            self._record_stats(stats)
+        for r in running:
+            self._append(r, int(tok[r.slot]), float(logp[r.slot]))
+        return True
+
+    def _record_stats(self, stats: np.ndarray) -> None:
+        for layer, row in enumerate(stats):
+            c = dict(zip(STAT_NAMES, (int(v) for v in row)))
+            self.metrics.update(layer, lookups=c["lookups"], hits=c["hits"], misses=c["misses"],
+                                h2d_rows=c["misses"], h2d_moved_rows=c["h2d_moved_rows"],
+                                d2h_rows=c["d2h_rows"])
+
+    def run(self) -> None:
+        while self.step():
+            pass
+
+    def generate(self, prompts, max_new_tokens: int, temperature: float = 0.0,
+                 seed: int = 0) -> list[Request]:
+        reqs = [self.submit(p, max_new_tokens, temperature, seed) for p in prompts]
+        self.run()
+        return reqs
+
+    # ---- accounting ---------------------------------------------------------------
+    def check_no_leaks(self) -> None:
+        """Every slot and page is owned by a running request (and nothing else)."""
+        running = {r.id for r in self.slots if r is not None}
+        if self.pages is not None:
+            self.pages.check(expect_requests=running)
+        owners = [r.id for r in self.slots if r is not None]
+        if len(owners) != len(set(owners)):
+            raise AssertionError(f"a request holds two batch slots: {owners}")
