@@ -5,6 +5,18 @@ expanded MLA, grouped vs per-expert MoE); measured max |Δlogit| ≈ 3e-6 for lo
 magnitude ~3, so 1e-4 × max|logit| (≈1e-4 relative) leaves a 30× margin while any real
 numerics bug (wrong RoPE layout, scale, top-k set) moves logits by 1e-2 or more.
 Prompts are shorter (20) and longer (48) than index_topk (32), so the sparsity selects.
+
+transformers quirks (5.x), checked here or in test_parity_parts.py:
+- index_topk is applied the same way in prefill and cached decode (per query, over its
+  causal keys); in prefill it takes topk over all T keys, so a query t < topk also
+  "selects" causally masked future positions, which the attention mask then removes —
+  we pad with −1 instead. Same effective set (test_indexer_topk_sets filters them).
+- its interleaved MLA RoPE returns the de-interleaved layout [evens | odds]; q·k is the
+  same, we emit the same layout.
+- it ignores the MTP layer (`model.layers.61.*` is dropped on load), so MTP has no
+  reference: the MTP path is checked for cache self-consistency only.
+- it warns when yarn factor ≠ max_position_embeddings / original_max_position_embeddings
+  and uses the explicit factor, as we do.
 """
 
 import numpy as np
