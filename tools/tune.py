@@ -1,0 +1,357 @@
+"""Tune the offload knobs on a short real-engine workload and write the winning config.
+
+Every candidate (prefetch_window x prefetch_threads x staging_capacity x eviction x
+fetch_path) builds a real `jlco.engine.Engine` on the same model, compiles it with a
+short warm-up run of the workload (not timed), then decodes the workload and records:
+
+  throughput   generated tokens / wall seconds over pure decode steps (steps that admit
+               and prefill a request are left out, so the figure is decode throughput);
+  TPOT         wall milliseconds per pure decode step: mean and p90.
+
+The winner is the highest throughput whose TPOT (`--tpot_stat`) is within `--tpot_ms`;
+it is written to `--output` as a python config (`CONFIG = Config(...)`, loadable by
+`jlco.config.load_config`). Offload settings must never change results: every candidate's
+tokens are compared with the offload-off reference run (or the first candidate) and any
+mismatch fails the tool (exit 1, no config written). Candidates the engine does not
+implement (it raises NotImplementedError, e.g. fetch_path='host_driven') are reported as
+"unsupported" with its message. Each candidate compiles, so grids are small by default.
+
+  python tools/tune.py --config configs/tiny.py --output /tmp/tiny_tuned.py --tpot_ms 50
+  python tools/tune.py --config configs/32k.py --checkpoint /ckpt/v32 --batch 8 \
+      --prompt_len 4096 --gen_len 64 --staging_capacity 1x,2x,4x --output tuned_32k.py
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import pathlib
+import sys
+import time
+
+import jax
+import numpy as np
+from absl import app, flags
+
+from jlco.config import Config, ConfigError, load_config
+from jlco.engine import Engine
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("config", None, "python config file (configs/*.py)")
+flags.DEFINE_string("checkpoint", "", "HF or jlco Orbax checkpoint (default: random weights)")
+flags.DEFINE_string("output", "", "write the winning config here (python, CONFIG = Config(...))")
+flags.DEFINE_list("prefetch_window", ["64", "256"], "cache.prefetch_window values")
+flags.DEFINE_list("prefetch_threads", [], "cache.prefetch_threads values (default: the config's)")
+flags.DEFINE_list("staging_capacity", ["1x", "2x"], "cache.staging_capacity values: rows, or "
+                  "'Nx' = N x Config.min_staging_capacity")
+flags.DEFINE_list("eviction", ["lru", "fifo"], "cache.eviction values")
+flags.DEFINE_list("fetch_path", ["in_jit", "host_driven"], "cache.fetch_path values")
+flags.DEFINE_integer("max_trials", 8, "most candidates run (the config's own knobs first)")
+flags.DEFINE_integer("num_requests", 4, "requests in the workload")
+flags.DEFINE_integer("prompt_len", 64, "prompt tokens per request")
+flags.DEFINE_integer("gen_len", 16, "generated tokens per request")
+flags.DEFINE_integer("batch", 0, "engine.max_batch_size (0 = the config's)")
+flags.DEFINE_integer("max_context_len", 0, "engine.max_context_len (0 = the config's)")
+flags.DEFINE_float("tpot_ms", 0.0, "TPOT limit in ms (0 = none)")
+flags.DEFINE_enum("tpot_stat", "mean", ["mean", "p90"], "which TPOT the limit applies to")
+flags.DEFINE_bool("reference", True, "also run offload off as the token reference")
+flags.DEFINE_string("impl", "", "attention impl (default: 'xla' on CPU, else the config's)")
+flags.DEFINE_integer("seed", 0, "prompt and candidate-order seed")
+flags.DEFINE_bool("json", False, "print JSON instead of the table")
+
+KNOBS = ("prefetch_window", "prefetch_threads", "staging_capacity", "eviction", "fetch_path")
+
+
+class TokenMismatch(RuntimeError):
+    """A candidate generated different tokens than the reference: an offload bug."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    prompts: list
+    gen_len: int
+
+    @classmethod
+    def random(cls, vocab: int, num_requests: int, prompt_len: int, gen_len: int,
+               seed: int = 0) -> "Workload":
+        for name, v in (("num_requests", num_requests), ("prompt_len", prompt_len),
+                        ("gen_len", gen_len)):
+            if v < 1:
+                raise ValueError(f"{name}={v} is invalid: allowed a positive integer")
+        rng = np.random.default_rng(seed)
+        return cls([rng.integers(0, vocab, prompt_len).tolist() for _ in range(num_requests)],
+                   gen_len)
+
+
+def parse_capacity(value: str, cfg: Config) -> int:
+    """'64' → 64 rows; '2x' → 2 x min_staging_capacity (index_topk x (1 + drafts))."""
+    v = str(value).strip()
+    try:
+        return int(float(v[:-1]) * cfg.min_staging_capacity) if v.endswith("x") else int(v)
+    except ValueError:
+        raise ValueError(f"staging_capacity={value!r} is invalid: allowed rows (int) or "
+                         f"'Nx' (N x min_staging_capacity={cfg.min_staging_capacity})") from None
+
+
+def candidates(base: Config, grid: dict, max_trials: int, seed: int = 0) -> list[Config]:
+    """Configs for the grid's product, offload on: the base config's own knobs first
+    (when in the grid), the rest in a seeded shuffle, at most `max_trials`. Invalid
+    values raise ConfigError here, before anything compiles."""
+    missing = set(KNOBS) - set(grid)
+    if missing:
+        raise ValueError(f"grid is missing knobs {sorted(missing)}: allowed keys {KNOBS}")
+    if max_trials < 1:
+        raise ValueError(f"max_trials={max_trials} is invalid: allowed a positive integer")
+    base = base.replace(cache__offload=True)
+    combos = list(itertools.product(*(grid[k] for k in KNOBS)))
+    own = tuple(getattr(base.cache, k) for k in KNOBS)
+    rest = [c for c in combos if c != own]
+    np.random.default_rng(seed).shuffle(rest)
+    ordered = ([own] if own in combos else []) + rest
+    return [base.replace(**{f"cache__{k}": v for k, v in zip(KNOBS, c)})
+            for c in ordered[:max_trials]]
+
+
+def measure(cfg: Config, model, work: Workload, impl: str) -> dict:
+    """Build, warm up (compile) and time one engine on the workload."""
+    t0 = time.perf_counter()
+    try:
+        eng = Engine(cfg, model, impl=impl)
+    except NotImplementedError as e:
+        return dict(status="unsupported", message=str(e))
+    eng.generate(work.prompts, min(2, work.gen_len))   # compiles prefill, install, step
+    compile_s = time.perf_counter() - t0
+    if eng.metrics is not None:
+        eng.metrics.reset()
+    reqs = [eng.submit(p, work.gen_len) for p in work.prompts]
+    walls, tokens = [], 0
+    while True:
+        admitting = bool(eng.waiting)
+        before = sum(len(r.tokens) for r in reqs)
+        t = time.perf_counter()
+        if not eng.step():
+            break
+        if not admitting:
+            walls.append(time.perf_counter() - t)
+            tokens += sum(len(r.tokens) for r in reqs) - before
+    eng.check_no_leaks()
+    walls_ms = np.asarray(walls) * 1e3
+    out = dict(status="ok", compile_s=compile_s, decode_steps=len(walls), decode_tokens=tokens,
+               throughput_tok_s=tokens / sum(walls) if walls else float("nan"),
+               tpot_ms_mean=float(walls_ms.mean()) if walls else float("nan"),
+               tpot_ms_p90=float(np.percentile(walls_ms, 90)) if walls else float("nan"),
+               hit_rate=None, tokens=[list(r.tokens) for r in reqs])
+    if eng.metrics is not None:
+        out["hit_rate"] = eng.metrics.snapshot()["total"]["hit_rate"]
+    return out
+
+
+def knobs(cfg: Config) -> dict:
+    return {k: getattr(cfg.cache, k) for k in KNOBS}
+
+
+def tune(cands: list[Config], model, work: Workload, *, impl: str,
+         reference: Config | None = None, progress=None) -> dict:
+    """Run every candidate (and the offload-off reference first, when given); return
+    {"reference": trial | None, "trials": [trial, ...]} with each trial's knobs, status,
+    figures and `tokens_match`. Tokens are compared with the reference, else the first
+    successful candidate."""
+    say = progress or (lambda msg: None)
+    ref_trial = None
+    if reference is not None:
+        say(f"[ref] offload off: compiling and decoding ...")
+        ref_trial = dict(knobs=None, offload=False, **measure(reference, model, work, impl))
+        say(f"[ref] {_summary(ref_trial)}")
+    trials, want = [], ref_trial["tokens"] if ref_trial and ref_trial["status"] == "ok" else None
+    for i, cfg in enumerate(cands):
+        label = " ".join(f"{k}={v}" for k, v in knobs(cfg).items())
+        say(f"[{i + 1}/{len(cands)}] {label}: compiling and decoding ...")
+        tr = dict(knobs=knobs(cfg), offload=True, **measure(cfg, model, work, impl))
+        if tr["status"] == "ok":
+            want = tr["tokens"] if want is None else want
+            tr["tokens_match"] = tr["tokens"] == want
+        trials.append(tr)
+        say(f"[{i + 1}/{len(cands)}] {label}: {_summary(tr)}")
+    return dict(reference=ref_trial, trials=trials)
+
+
+def check_tokens(result: dict) -> None:
+    """Raise TokenMismatch naming every candidate whose tokens differ."""
+    bad = [t["knobs"] for t in result["trials"] if t["status"] == "ok" and not t["tokens_match"]]
+    if bad:
+        raise TokenMismatch(f"offload settings changed the generated tokens for {len(bad)} "
+                            f"candidate(s): {bad}; offload must be exact (this is a bug)")
+
+
+def pick(trials: list[dict], tpot_ms: float = 0.0, stat: str = "mean") -> dict | None:
+    """Highest-throughput successful trial whose TPOT (`stat`) is within tpot_ms
+    (0 = no limit); None when no trial qualifies."""
+    if stat not in ("mean", "p90"):
+        raise ValueError(f"tpot_stat={stat!r} is invalid: allowed 'mean', 'p90'")
+    ok = [t for t in trials if t["status"] == "ok"
+          and (tpot_ms <= 0 or t[f"tpot_ms_{stat}"] <= tpot_ms)]
+    return max(ok, key=lambda t: t["throughput_tok_s"], default=None)
+
+
+def _summary(t: dict) -> str:
+    if t["status"] != "ok":
+        return f"{t['status']}: {t['message']}"
+    hr = "" if t["hit_rate"] is None else f", hit rate {t['hit_rate']:.3f}"
+    return (f"{t['throughput_tok_s']:.1f} tok/s, TPOT {t['tpot_ms_mean']:.2f} ms "
+            f"(p90 {t['tpot_ms_p90']:.2f}){hr}, compile {t['compile_s']:.1f} s")
+
+
+def render_config(cfg: Config, doc: str = "") -> str:
+    """Python source for `cfg` in the style of configs/*.py: each dataclass as
+    `Name(field=value, ...)` listing the fields that differ from its defaults."""
+    names: set[str] = set()
+    body = _render(cfg, 0, names)
+    doc = doc.replace('"""', "'''").strip()
+    head = f'"""{doc}\n"""\n' if doc else ""
+    return (f"{head}from jlco.config import {', '.join(sorted(names))}\n\n"
+            f"CONFIG = {body}\n")
+
+
+def _render(obj, indent: int, names: set) -> str:
+    if dataclasses.is_dataclass(obj):
+        cls = type(obj)
+        names.add(cls.__name__)
+        default = cls()
+        items = [(f.name, getattr(obj, f.name)) for f in dataclasses.fields(obj)
+                 if getattr(obj, f.name) != getattr(default, f.name)]
+        if not items:
+            return f"{cls.__name__}()"
+        pad = " " * (indent + 4)
+        inner = "".join(f"{pad}{k}={_render(v, indent + 4, names)},\n" for k, v in items)
+        return f"{cls.__name__}(\n{inner}{' ' * indent})"
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return repr(obj)
+    raise TypeError(f"render_config: cannot write {type(obj).__name__} value {obj!r}")
+
+
+def write_config(cfg: Config, path: str | pathlib.Path, doc: str = "") -> None:
+    """Write `cfg` as a config file and read it back: the file must load to `cfg`."""
+    path = pathlib.Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(render_config(cfg, doc))
+    back = load_config(path)
+    if back != cfg:
+        raise RuntimeError(f"{path}: written config does not load back equal to the winner")
+
+
+def _table(report: dict) -> str:
+    cols = ("window", "threads", "staging", "evict", "fetch", "tok/s", "tpot ms", "p90 ms",
+            "hit rate", "tokens", "status")
+    lines = [" ".join(f"{c:>9}" for c in cols)]
+    ref = report["reference"]
+    rows = ([("offload off (reference)", ref)] if ref else []) + [
+        (" ".join(f"{str(v):>9}" for v in t["knobs"].values()), t) for t in report["trials"]]
+    for label, t in rows:
+        if t["status"] != "ok":
+            lines.append(f"{label} {'':>39} {t['status']}: {t['message'][:60]}")
+            continue
+        hr = "-" if t["hit_rate"] is None else f"{t['hit_rate']:.3f}"
+        same = "ref" if t.get("tokens_match") is None else ("same" if t["tokens_match"]
+                                                            else "DIFFER")
+        lines.append(f"{label:>49} {t['throughput_tok_s']:9.1f} {t['tpot_ms_mean']:9.2f} "
+                     f"{t['tpot_ms_p90']:9.2f} {hr:>9} {same:>9} {'ok':>9}")
+    w = report.get("winner")
+    lines.append("winner: " + (json.dumps(w["knobs"]) if w else "none") +
+                 (f" -> {report['output']}" if report.get("output") else ""))
+    return "\n".join(lines)
+
+
+def _load(cfg: Config):
+    """(cfg, model): random weights from cfg.model, or the checkpoint's model and config."""
+    if FLAGS.checkpoint:
+        from jlco.checkpoint import load_model
+        mcfg, model, _ = load_model(FLAGS.checkpoint, {"dtype": cfg.model.dtype})
+        return cfg.replace(model=mcfg), model
+    from flax import nnx
+    from jlco.model import DeepseekV32
+    return cfg, DeepseekV32(cfg.model, rngs=nnx.Rngs(cfg.engine.seed))
+
+
+def _ints(name: str, values) -> list[int]:
+    try:
+        return [int(v) for v in values]
+    except ValueError:
+        raise ValueError(f"--{name}={','.join(map(str, values))} is invalid: allowed a "
+                         "comma-separated list of integers") from None
+
+
+def _grid(cfg: Config) -> dict:
+    threads = FLAGS.prefetch_threads or [cfg.cache.prefetch_threads]
+    return dict(prefetch_window=_ints("prefetch_window", FLAGS.prefetch_window),
+                prefetch_threads=_ints("prefetch_threads", threads),
+                staging_capacity=sorted({parse_capacity(v, cfg) for v in FLAGS.staging_capacity}),
+                eviction=list(FLAGS.eviction), fetch_path=list(FLAGS.fetch_path))
+
+
+def _workload_cfg(cfg: Config) -> Config:
+    over = {}
+    if FLAGS.batch:
+        over["engine__max_batch_size"] = FLAGS.batch
+    if FLAGS.max_context_len:
+        over["engine__max_context_len"] = FLAGS.max_context_len
+    return cfg.replace(**over) if over else cfg
+
+
+def main(argv) -> None:
+    del argv
+    if not FLAGS.config:
+        raise app.UsageError("--config is required (a python config file, configs/*.py)")
+    try:
+        cfg = _workload_cfg(load_config(FLAGS.config))
+        cands = candidates(cfg, _grid(cfg), FLAGS.max_trials, FLAGS.seed)
+        work = Workload.random(cfg.model.vocab_size, FLAGS.num_requests, FLAGS.prompt_len,
+                               FLAGS.gen_len, FLAGS.seed)
+    except (ConfigError, ValueError) as e:
+        raise app.UsageError(str(e)) from None
+    cfg, model = _load(cfg)
+    cands = [c.replace(model=cfg.model) for c in cands]
+    impl = FLAGS.impl or ("xla" if jax.default_backend() == "cpu" else cfg.engine.attention_impl)
+    ref = cfg.replace(cache__offload=False) if FLAGS.reference else None
+    say = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+    report = tune(cands, model, work, impl=impl, reference=ref, progress=say)
+    report.update(config=FLAGS.config, impl=impl, backend=jax.default_backend(),
+                  workload=dict(num_requests=len(work.prompts), prompt_len=FLAGS.prompt_len,
+                                gen_len=work.gen_len, batch=cfg.engine.max_batch_size),
+                  tpot_ms=FLAGS.tpot_ms, tpot_stat=FLAGS.tpot_stat, output=None)
+    code = 0
+    try:
+        check_tokens(report)
+        win = pick(report["trials"], FLAGS.tpot_ms, FLAGS.tpot_stat)
+        report["winner"] = win and dict(knobs=win["knobs"],
+                                        throughput_tok_s=win["throughput_tok_s"])
+        if win is None:
+            say(f"no candidate ran within TPOT {FLAGS.tpot_stat} <= {FLAGS.tpot_ms} ms")
+            code = 2
+        elif FLAGS.output:
+            i = next(i for i, t in enumerate(report["trials"]) if t is win)
+            best = cands[i].replace(name=f"{cfg.name}_tuned")
+            write_config(best, FLAGS.output, _doc(report, win))
+            report["output"] = FLAGS.output
+    except TokenMismatch as e:
+        say(f"ERROR: {e}")
+        report["winner"], code = None, 1
+    for t in [report["reference"]] + report["trials"]:
+        if t is not None:
+            t.pop("tokens", None)
+    print(json.dumps(report, indent=1) if FLAGS.json else _table(report))
+    sys.exit(code)
+
+
+def _doc(report: dict, win: dict) -> str:
+    w = report["workload"]
+    return (f"Offload knobs tuned by tools/tune.py from {report['config']} on {report['backend']} "
+            f"({report['impl']} attention).\n\nWorkload: {w['num_requests']} requests x "
+            f"{w['prompt_len']} prompt + {w['gen_len']} generated tokens, batch {w['batch']}. "
+            f"Winner of {len(report['trials'])} candidates:\n"
+            f"{win['throughput_tok_s']:.1f} tok/s, TPOT mean {win['tpot_ms_mean']:.2f} ms, "
+            f"p90 {win['tpot_ms_p90']:.2f} ms.")
+
+
+if __name__ == "__main__":
+    app.run(main)
