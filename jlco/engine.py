@@ -57,8 +57,15 @@ class Request:
 class Engine:
     """Continuous batching over `cfg.engine.max_batch_size` slots (s_q = 1 per step)."""
 
-    def __init__(self, cfg: Config, model, *, impl: str | None = None):
+    def __init__(self, cfg: Config, model, *, impl: str | None = None,
+                 trace_path: str | None = None, warmup_queries: int = WARMUP_QUERIES):
+        """trace_path: record every decode step's top-k positions (request, step, layer,
+        ids) to a `jlco.trace` file. warmup_queries: how many final prefill queries'
+        top-k sets warm a new request's hot buffer (0 = none)."""
+        if not isinstance(warmup_queries, int) or warmup_queries < 0:
+            raise ValueError(f"warmup_queries={warmup_queries!r}: allowed an integer >= 0")
         self.cfg = cfg
+        self.warmup_queries = warmup_queries
         self.impl = impl or cfg.engine.attention_impl
         self.graphdef, self.state = nnx.split(model)
         self.batch = cfg.engine.max_batch_size
@@ -74,6 +81,14 @@ class Engine:
         self.pages = None
         self.warmup_rows = 0   # rows fetched by admission warm-ups (all layers)
         self.cache = self._init_cache()
+        self.trace = None
+        if trace_path is not None:
+            from jlco.trace import TraceWriter
+            self.trace = TraceWriter(trace_path, {"source": "engine", "config": cfg.name,
+                                                  "topk": cfg.model.index_topk,
+                                                  "num_layers": cache_layers(cfg)})
+            self.cache = dataclasses.replace(self.cache, record=jnp.full(
+                (cache_layers(cfg), self.batch, 1, cfg.model.index_topk), -1, jnp.int32))
         self._jit_step = self._compile_step()
 
     # ---- construction -------------------------------------------------------------
@@ -119,6 +134,14 @@ class Engine:
             return jax.jit(fn, donate_argnums=2)
         dev = SingleDeviceSharding(jax.devices()[0])
         return jax.jit(fn, donate_argnums=2, out_shardings=(dev, dev, self._shardings(self.cache)))
+
+    @functools.cached_property
+    def _jit_forward(self):
+        fn = functools.partial(engine_steps.forward, impl=self.impl)
+        if not self.offload:
+            return jax.jit(fn, donate_argnums=2)
+        dev = SingleDeviceSharding(jax.devices()[0])
+        return jax.jit(fn, donate_argnums=2, out_shardings=(dev, self._shardings(self.cache)))
 
     @functools.cached_property
     def _jit_install(self):
@@ -189,22 +212,28 @@ class Engine:
     def _prefill_into(self, req: Request, slot: int) -> None:
         cfg, n = self.cfg, len(req.prompt)
         temp = init_cache(cfg, batch=1, max_len=self.max_len)
-        w = min(WARMUP_QUERIES, n)
-        if self.offload:
+        # The same prefill split with offload on and off: chunk shapes change float
+        # reduction order, and offload on must equal offload off bit for bit.
+        w = min(self.warmup_queries, n)
+        if w and self.offload:
             temp = dataclasses.replace(temp, record=jnp.full(
                 (cache_layers(cfg), 1, w, cfg.model.index_topk), -1, jnp.int32))
         toks = np.asarray([req.prompt], np.int32)
         model = (self.graphdef, self.state)
-        if n > w:
-            _, _, temp = prefill(model, temp, toks[:, :n - w], chunk=cfg.engine.prefill_chunk,
-                                 impl=self.impl)
-        logits, _, temp = prefill(model, temp, toks[:, n - w:], chunk=w, impl=self.impl)
+        if w:   # the last w queries run as one chunk so their top-k sets are recorded
+            if n > w:
+                _, _, temp = prefill(model, temp, toks[:, :n - w],
+                                     chunk=cfg.engine.prefill_chunk, impl=self.impl)
+            logits, _, temp = prefill(model, temp, toks[:, n - w:], chunk=w, impl=self.impl)
+        else:
+            logits, _, temp = prefill(model, temp, toks, chunk=cfg.engine.prefill_chunk,
+                                      impl=self.impl)
         page_row = None
         if self.offload:
             page_row = jnp.asarray(self.pages.page_table([req.id], self.cache.latent.page_table
                                                          .shape[1])[0])
         self.cache = self._jit_install(self.cache, temp, jnp.int32(slot), jnp.int32(n), page_row)
-        if self.offload:
+        if w and self.offload:
             self.cache, fetched = self._jit_warm_up(self.cache, jnp.int32(slot), temp.record[:, 0])
             self.warmup_rows += int(fetched)
         self._emit(req, logits[0])
@@ -243,11 +272,16 @@ class Engine:
         tok, logp, self.cache = self._jit_step(self.graphdef, self.state, self.cache,
                                                tokens, active, temps, keys)
         stats = self.cache.latent.stats if self.offload else None
-        tok, logp, stats = jax.device_get((tok, logp, stats))   # the step's one sync
+        tok, logp, stats, rec = jax.device_get((tok, logp, stats, self.cache.record))  # one sync
         self.step_seconds.append(time.perf_counter() - t0)
         self.step_count += 1
         if stats is not None:
             self._record_stats(stats)
+        if self.trace is not None:
+            for r in running:
+                for layer in range(rec.shape[0]):
+                    ids = rec[layer, r.slot, 0]
+                    self.trace.record(r.id, len(r.tokens) - 1, layer, ids[ids >= 0])
         for r in running:
             self._append(r, int(tok[r.slot]), float(logp[r.slot]))
         return True
@@ -262,6 +296,18 @@ class Engine:
     def run(self) -> None:
         while self.step():
             pass
+        if self.trace is not None:
+            self.trace.close()
+
+    def forward(self, tokens) -> np.ndarray:
+        """Append tokens [batch, s] to every running request's cache and return the
+        logits [batch, s, V]: the verification pass of speculative decoding (s = 1 +
+        drafts). Request token lists are the caller's to keep consistent."""
+        self._admit()
+        active = np.array([r is not None for r in self.slots])
+        logits, self.cache = self._jit_forward(self.graphdef, self.state, self.cache,
+                                               np.asarray(tokens, np.int32), active)
+        return np.asarray(logits)
 
     def generate(self, prompts, max_new_tokens: int, temperature: float = 0.0,
                  seed: int = 0) -> list[Request]:

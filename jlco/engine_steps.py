@@ -44,18 +44,26 @@ def _mask_inactive(cache: DecodeCache, active: jax.Array) -> DecodeCache:
     return cache
 
 
-def decode_step(graphdef, state, cache: DecodeCache, tokens, active, temps, keys, *, impl):
-    """tokens [b, 1] → (next tokens [b], logprobs [b], cache). One jit, one sync (the
-    caller reads tokens, logprobs and the offload counters together)."""
+def forward(graphdef, state, cache: DecodeCache, tokens, active, *, impl):
+    """tokens [b, s] appended for the active requests → (logits [b, s, V], cache): the
+    verification pass of speculative decoding (s = 1 + drafts)."""
     model = nnx.merge(graphdef, state)
     cache = _mask_inactive(cache, active)
     saved_table = cache.latent.page_table if isinstance(cache.latent, OffloadLatent) else None
     h, cache = model(tokens, cache, impl=impl)
-    if saved_table is not None:   # page_table was masked for the step only
-        real = jnp.where(active[:, None], saved_table, cache.latent.page_table)
-        cache = dataclasses.replace(cache, latent=dataclasses.replace(cache.latent, page_table=real))
+    if saved_table is not None:
+        cache = dataclasses.replace(cache, latent=dataclasses.replace(
+            cache.latent, page_table=jnp.where(active[:, None], saved_table,
+                                               cache.latent.page_table)))
     cache = dataclasses.replace(cache, lengths=jnp.where(active, cache.lengths, 0))
-    tok, logp = _sample_rows(model.logits(h[:, -1]), temps, keys)
+    return model.logits(h), cache
+
+
+def decode_step(graphdef, state, cache: DecodeCache, tokens, active, temps, keys, *, impl):
+    """tokens [b, 1] → (next tokens [b], logprobs [b], cache). One jit, one sync (the
+    caller reads tokens, logprobs and the offload counters together)."""
+    logits, cache = forward(graphdef, state, cache, tokens, active, impl=impl)
+    tok, logp = _sample_rows(logits[:, -1], temps, keys)
     return tok, logp, cache
 
 
@@ -85,7 +93,8 @@ def install(cache: DecodeCache, temp: DecodeCache, slot, n, page_row):
 def warm_up(cache: DecodeCache, slot, record):
     """ESS's admission warm-up: insert the top-k positions of the last prefill queries
     (record int32 [L, w, k], oldest query first) into the slot's hot buffer in order,
-    fetching them from the host pool, so step 0 finds most rows resident."""
+    fetching them from the host pool, so step 0 finds most rows resident. Query q is
+    stamped step - w + q: older than the next decode step, in insertion order."""
     lat = cache.latent
     rows, pos, stamp = lat.rows, lat.slot_pos, lat.slot_stamp
     table = lat.page_table[slot][None]
@@ -93,7 +102,8 @@ def warm_up(cache: DecodeCache, slot, record):
     for layer in range(record.shape[0]):
         def body(q, carry):
             r, p, s, n = carry
-            res = resolve(p[None], s[None], record[layer, q][None, None], lat.step, lat.policy)
+            stamp_q = lat.step - record.shape[1] + q
+            res = resolve(p[None], s[None], record[layer, q][None, None], stamp_q, lat.policy)
             r, _ = fetch_in_jit(r[None], lat.host[layer], table, res, lat.page_size)
             return r[0], res.slot_pos[0], res.slot_stamp[0], n + res.n_miss.sum()
         r, p, s, fetched = jax.lax.fori_loop(
