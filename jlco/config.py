@@ -279,9 +279,12 @@ class Config:
 
     @property
     def indexer_key_bytes(self) -> int:
-        """Device bytes per token per layer of the indexer cache (fp8: 128 + 4 = 132 B)."""
+        """Device bytes per token per layer of the indexer cache (fp8: 128 + 4 = 132 B;
+        "bf16" keys stay unquantised in the model dtype, so f32 models store 4 B each)."""
         d = self.model.index_head_dim
-        return d + 4 if self.cache.indexer_key_format == "fp8" else 2 * d
+        if self.cache.indexer_key_format == "fp8":
+            return d + 4
+        return (4 if self.model.dtype == "float32" else 2) * d
 
     @property
     def min_staging_capacity(self) -> int:

@@ -54,6 +54,67 @@ class Request:
         return self.status in ("finished", "aborted")
 
 
+def _chunk_rows(cfg: Config) -> int:
+    """In-jit fetch moves misses in chunks of this many rows (0 = one padded gather of
+    every possible miss); the prefetch window bounds it."""
+    return max(0, min(cfg.cache.prefetch_window, cfg.staging_capacity))
+
+
+def allocate_cache(cfg: Config) -> tuple[DecodeCache, PageAllocator | None]:
+    """The engine's batch cache for `cfg.engine.max_batch_size` slots and, offloaded, its
+    host page allocator. Offloaded, the latent cache is a host pool per layer (in
+    `cfg.cache.storage` memory) behind a device hot buffer; `device_cache_bytes` counts
+    exactly this allocation."""
+    if not cfg.cache.offload:
+        return init_cache(cfg), None
+    if cfg.cache.storage == "file" or cfg.cache.fetch_path == "host_driven":
+        raise NotImplementedError(
+            f"cache.storage={cfg.cache.storage!r} / cache.fetch_path="
+            f"{cfg.cache.fetch_path!r}: the engine runs the in-jit fetch from pinned_host "
+            "or unpinned_host memory; the host-driven path exists as a building block "
+            "(jlco.offload.fetch) but is not wired into the engine yet")
+    batch, page = cfg.engine.max_batch_size, cfg.cache.page_size
+    pages_per_req = -(-cfg.engine.max_context_len // page)
+    num_pages = batch * pages_per_req
+    host = SingleDeviceSharding(jax.devices()[0], memory_kind=cfg.cache.storage)
+    n_layers, cap, rb = cache_layers(cfg), cfg.staging_capacity, cfg.row_bytes
+    zeros = jax.jit(lambda: jnp.zeros((num_pages * page, rb), jnp.uint8), out_shardings=host)
+    lat = OffloadLatent(
+        rows=jnp.zeros((n_layers, batch, cap, rb), jnp.uint8),
+        slot_pos=jnp.full((n_layers, batch, cap), -1, jnp.int32),
+        slot_stamp=jnp.full((n_layers, batch, cap), -1, jnp.int32),
+        host=tuple(zeros() for _ in range(n_layers)),
+        page_table=jnp.full((batch, pages_per_req), -1, jnp.int32),
+        step=jnp.int32(0), stats=jnp.zeros((n_layers, len(STAT_NAMES)), jnp.int32),
+        policy=cfg.cache.eviction, page_size=page, chunk_rows=_chunk_rows(cfg))
+    return init_cache(cfg, latent=lat), PageAllocator(num_pages, page)
+
+
+def device_cache_bytes(cfg: Config, batch: int) -> int:
+    """Device bytes of the cache `allocate_cache` makes for `batch` slots, from its
+    abstract shapes (nothing is allocated, so real-model configs are cheap): every leaf
+    but the offloaded host pool (`OffloadLatent.host`) lives in device memory."""
+    cfg = cfg.replace(engine__max_batch_size=batch)
+    shapes = jax.eval_shape(lambda: allocate_cache(cfg)[0])
+    host = shapes.latent.host if isinstance(shapes.latent, OffloadLatent) else ()
+    return _nbytes(shapes) - _nbytes(host)
+
+
+def _nbytes(tree) -> int:
+    return sum(x.size * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+
+
+def batch_for_budget(cfg: Config, device_bytes: float, *, other_bytes: float = 0.0,
+                     other_bytes_per_slot: float = 0.0) -> int:
+    """Largest batch whose engine cache fits in `device_bytes` beside `other_bytes`
+    (weights, runtime reserve) and `other_bytes_per_slot` (activations), by the engine's
+    own allocation: bytes per slot and batch-independent bytes (offload counters) from
+    `device_cache_bytes` at batch 1 and 2. Not capped by engine.max_batch_size."""
+    one, two = device_cache_bytes(cfg, 1), device_cache_bytes(cfg, 2)
+    per_slot, fixed = two - one, 2 * one - two
+    return max(0, int((device_bytes - other_bytes - fixed) // (per_slot + other_bytes_per_slot)))
+
+
 class Engine:
     """Continuous batching over `cfg.engine.max_batch_size` slots (s_q = 1 per step)."""
 
@@ -93,37 +154,8 @@ class Engine:
 
     # ---- construction -------------------------------------------------------------
     def _init_cache(self) -> DecodeCache:
-        cfg = self.cfg
-        if not self.offload:
-            return init_cache(cfg)
-        if cfg.cache.storage == "file" or cfg.cache.fetch_path == "host_driven":
-            raise NotImplementedError(
-                f"cache.storage={cfg.cache.storage!r} / cache.fetch_path="
-                f"{cfg.cache.fetch_path!r}: the engine runs the in-jit fetch from pinned_host "
-                "or unpinned_host memory; the host-driven path exists as a building block "
-                "(jlco.offload.fetch) but is not wired into the engine yet")
-        page = cfg.cache.page_size
-        pages_per_req = -(-self.max_len // page)
-        num_pages = self.batch * pages_per_req
-        self.pages = PageAllocator(num_pages, page)
-        dev = jax.devices()[0]
-        host = SingleDeviceSharding(dev, memory_kind=cfg.cache.storage)
-        n_layers, cap, rb = cache_layers(cfg), cfg.staging_capacity, cfg.row_bytes
-        zeros = jax.jit(lambda: jnp.zeros((num_pages * page, rb), jnp.uint8), out_shardings=host)
-        lat = OffloadLatent(
-            rows=jnp.zeros((n_layers, self.batch, cap, rb), jnp.uint8),
-            slot_pos=jnp.full((n_layers, self.batch, cap), -1, jnp.int32),
-            slot_stamp=jnp.full((n_layers, self.batch, cap), -1, jnp.int32),
-            host=tuple(zeros() for _ in range(n_layers)),
-            page_table=jnp.full((self.batch, pages_per_req), -1, jnp.int32),
-            step=jnp.int32(0), stats=jnp.zeros((n_layers, len(STAT_NAMES)), jnp.int32),
-            policy=cfg.cache.eviction, page_size=page, chunk_rows=self._chunk_rows())
-        return init_cache(cfg, latent=lat)
-
-    def _chunk_rows(self) -> int:
-        """In-jit fetch moves misses in chunks of this many rows (0 = one padded gather
-        of every possible miss); the prefetch window bounds it."""
-        return max(0, min(self.cfg.cache.prefetch_window, self.cfg.staging_capacity))
+        cache, self.pages = allocate_cache(self.cfg)
+        return cache
 
     def _shardings(self, tree):
         return jax.tree.map(lambda x: x.sharding, tree)

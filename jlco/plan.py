@@ -18,6 +18,7 @@ import math
 
 import numpy as np
 
+from jlco import kv_cache
 from jlco.config import Config, ModelConfig, load_config
 from jlco.hardware import HardwareProfile, get_hardware
 
@@ -37,7 +38,7 @@ def param_counts(m: ModelConfig) -> dict[str, int]:
         dense_ffn=3 * h * m.intermediate_size,
         router=m.n_routed_experts * h + m.n_routed_experts,
         embed=m.vocab_size * h, lm_head=m.vocab_size * h,
-        mtp_extra=2 * h * h + 3 * h, final_norm=h, heads=nh,
+        mtp_extra=2 * h * h + 3 * h, mtp_head=m.vocab_size * h, final_norm=h, heads=nh,
     )
 
 
@@ -100,12 +101,12 @@ def weight_bytes(m: ModelConfig, ep: int = 1, weight_format: str = "fp8") -> Wei
     idx_b = _linear_bytes(_indexer_fp8(m), weight_format) + hi * h * m.index_n_heads
     small = hi * (p["norms"] + p["router"])
     mtp_b = mtp * (attn_b + idx_b + small + (local + m.n_shared_experts) * expert_b
-                   + hi * p["mtp_extra"])
+                   + hi * (p["mtp_extra"] + p["mtp_head"]))
     per_layer = p["attention"] + p["indexer"] + p["norms"]
     total = (p["embed"] + p["lm_head"] + p["final_norm"]
              + (nl + mtp) * per_layer + m.first_k_dense_replace * p["dense_ffn"]
              + (n_moe + mtp) * ((m.n_routed_experts + m.n_shared_experts) * p["expert"]
-                                + p["router"]) + mtp * p["mtp_extra"])
+                                + p["router"]) + mtp * (p["mtp_extra"] + p["mtp_head"]))
     rank = total - (n_moe + mtp) * (m.n_routed_experts - local) * p["expert"]
     return WeightBytes(
         embed_and_head=hi * (p["embed"] + p["lm_head"] + p["final_norm"]),
@@ -118,9 +119,9 @@ def weight_bytes(m: ModelConfig, ep: int = 1, weight_format: str = "fp8") -> Wei
 
 
 def cache_layers(cfg: Config) -> int:
-    """Layers that keep a cache: the main layers, plus the MTP layer when drafting."""
-    m = cfg.model
-    return m.num_hidden_layers + (m.num_nextn_predict_layers if cfg.engine.num_draft_tokens else 0)
+    """Layers that keep a cache: the main layers plus the MTP layer when the model has
+    one, as `jlco.kv_cache` and the engine allocate it (also when not drafting)."""
+    return kv_cache.cache_layers(cfg)
 
 
 def activation_bytes_per_token(cfg: Config, context: int) -> int:
@@ -136,12 +137,18 @@ def activation_bytes_per_token(cfg: Config, context: int) -> int:
 
 
 def per_request_bytes(cfg: Config, context: int, offload: bool) -> dict[str, int]:
-    """Device bytes one request holds (cache parts) and host bytes it needs (no headroom)."""
+    """Device bytes one request holds (cache parts) and host bytes it needs (no headroom).
+
+    As the engine allocates a batch slot (`jlco.engine.allocate_cache`): the hot buffer
+    has staging_capacity rows whatever the context; `tables` are its int32 length and,
+    offloaded, its page-table row and the hot buffer's slot position + stamp per row."""
     layers = cache_layers(cfg)
     s_q = 1 + cfg.engine.num_draft_tokens
-    latent_rows = min(cfg.staging_capacity, context) if offload else context
+    latent_rows = cfg.staging_capacity if offload else context
+    pages = -(-context // cfg.cache.page_size)
+    tables = 4 + (4 * pages + 8 * latent_rows * layers if offload else 0)
     return dict(indexer=context * layers * cfg.indexer_key_bytes,
-                latent_device=latent_rows * layers * cfg.row_bytes,
+                latent_device=latent_rows * layers * cfg.row_bytes, tables=tables,
                 activations=s_q * activation_bytes_per_token(cfg, context),
                 host=context * layers * cfg.row_bytes if offload else 0)
 
@@ -155,7 +162,7 @@ def max_batch(cfg: Config, device_bytes: float, *, offload: bool | None = None,
     context = cfg.engine.max_context_len if context is None else context
     free = device_bytes - reserve_bytes - weight_bytes(cfg.model, ep, weight_format).total
     pr = per_request_bytes(cfg, context, offload)
-    per = pr["indexer"] + pr["latent_device"] + pr["activations"]
+    per = pr["indexer"] + pr["latent_device"] + pr["tables"] + pr["activations"]
     return max(0, int(free // per))
 
 

@@ -33,8 +33,10 @@ def test_weight_bytes_bf16_ep2_by_hand():
     assert w.routed_experts == 2 * 4 * 2 * 6144  # 2 MoE layers x 4 local experts
     assert w.shared_experts == 2 * 2 * 6144
     assert w.router_and_norms == 3 * 2 * 368 + 2 * 2 * 520
-    assert w.mtp == 124928 + 55296 + 2 * (368 + 520) + 5 * 12288 + 2 * 8384
-    assert w.total == 1_108_400
+    # MTP: attention, indexer, norms+router, 4 local + 1 shared expert, eh_proj + 3 norms,
+    # and its own shared_head.head (v x d): a separate tensor the model loads
+    assert w.mtp == 124928 + 55296 + 2 * (368 + 520) + 5 * 12288 + 2 * 8384 + 2 * 512 * 64
+    assert w.total == 1_173_936
 
 
 def test_fp8_block_scales():
@@ -49,18 +51,22 @@ def test_real_model_param_count():
 
 
 def test_max_batch_and_plan_by_hand():
-    # per request (context 256, 3 cache layers): indexer 256*3*64, hot 64*3*576 (f32 rows),
+    # per request (context 256, 4 cache layers: 3 + the MTP layer, allocated as the engine
+    # does): indexer 256*4*128 (bf16-format keys stay f32 in this f32 model), hot 64*4*576
+    # (f32 rows), tables = length 4 + page table 4*16 + slot pos/stamp 8*64*4,
     # activations 256 + 2*4*(144+128)*2 = 4608 bytes per token
     pr = plan.per_request_bytes(CFG, 256, True)
-    assert pr == dict(indexer=49152, latent_device=110592, activations=4608, host=442368)
-    free = 10_000_000 - 1_000_000 - 1_108_400
+    assert pr == dict(indexer=131072, latent_device=147456, tables=2116, activations=4608,
+                      host=589824)
+    assert plan.per_request_bytes(CFG, 256, False)["tables"] == 4
+    free = 10_000_000 - 1_000_000 - 1_173_936
     kw = dict(ep=2, context=256, reserve_bytes=1_000_000, weight_format="bf16")
-    assert plan.max_batch(CFG, 1e7, offload=True, **kw) == free // 164352 == 48
-    assert plan.max_batch(CFG, 1e7, offload=False, **kw) == free // 496128 == 15
+    assert plan.max_batch(CFG, 1e7, offload=True, **kw) == free // 285252 == 27
+    assert plan.max_batch(CFG, 1e7, offload=False, **kw) == free // 725508 == 10
     p = plan.plan(CFG, HW, ep=2, context=256, miss_rate=0.5, weight_format="bf16")
-    assert (p.max_batch_offload, p.max_batch_no_offload, p.config_cap) == (48, 15, 4)
+    assert (p.max_batch_offload, p.max_batch_no_offload, p.config_cap) == (27, 10, 4)
     assert (p.batch_offload, p.batch_no_offload) == (4, 4)
-    assert p.host_bytes_needed == pytest.approx(4 * 442368 * 1.3)
+    assert p.host_bytes_needed == pytest.approx(4 * 589824 * 1.3)
     t = p.transfer
     assert t.miss_rows_per_step == pytest.approx(0.5 * 4 * 3 * 32)
     assert t.transfer_s == pytest.approx(192 * 576 / 1e9)

@@ -142,10 +142,55 @@ def insert_new(rows: jax.Array, slot_pos: jax.Array, slot_stamp: jax.Array,
                new_pos: jax.Array, new_rows: jax.Array, step, policy: str = "lru"):
     """Put the newest token(s)' rows (new_pos [b, n], new_rows [b, n, R]) in the hot
     buffer: they are almost always selected next step, and inserting now saves the
-    fetch. Same victim rule as `resolve`. Returns (rows, slot_pos, slot_stamp)."""
-    res = resolve(slot_pos, slot_stamp, new_pos[:, None, :], step, policy)
-    rows = scatter_rows(rows, res.slot_ids[:, 0, :], new_rows)
-    return rows, res.slot_pos, res.slot_stamp
+    fetch. Same victim rule and result as `resolve`, but without its sorts over the slot
+    table (n is 1 + drafts): a few O(C) reductions per new token instead, since XLA:CPU
+    sorts made this the costliest part of an offloaded decode step.
+    Returns (rows, slot_pos, slot_stamp)."""
+    if policy not in POLICIES:
+        raise ValueError(f"insert_new: policy={policy!r} is invalid: allowed {POLICIES}")
+    step = jnp.asarray(step, jnp.int32)
+    with jax.named_scope("hot_buffer_insert_new"):
+        slots, slot_pos, slot_stamp = jax.vmap(_insert_row, in_axes=(0, 0, 0, None, None))(
+            slot_pos, slot_stamp, new_pos.astype(jnp.int32), step, policy == "lru")
+    return scatter_rows(rows, slots, new_rows), slot_pos, slot_stamp
+
+
+def _insert_row(slot_pos, slot_stamp, new_pos, step, lru: bool):
+    """One batch entry of `insert_new`: new_pos [n] → (slot of each [n], −1 where
+    invalid; slot_pos [C]; slot_stamp [C]). Misses take victims in `_resolve_row`'s order
+    (tier, stamp, position, slot), lowest missed position first."""
+    cap, n = slot_pos.shape[0], new_pos.shape[0]
+    eq = slot_pos[None, :] == new_pos[:, None]                                 # [n, C]
+    hit = eq.any(axis=1) & (new_pos >= 0)
+    hit_slot = jnp.where(hit, jnp.argmax(eq, axis=1), -1).astype(jnp.int32)
+    dup = jnp.tril(new_pos[:, None] == new_pos[None, :], -1).any(axis=1)
+    miss = (new_pos >= 0) & ~hit & ~dup
+    referenced = jnp.zeros((cap,), bool).at[jnp.where(hit, hit_slot, cap)].set(True, mode="drop")
+    tier = jnp.where(referenced, 2, 0) + (slot_pos >= 0)
+    big = jnp.iinfo(jnp.int32).max
+    new_p, new_s = slot_pos, slot_stamp
+    for p in jnp.split(jnp.sort(jnp.where(miss, new_pos, big)), n) if n else []:
+        p = p[0]
+        v = _lexmin_slot((tier, slot_stamp, slot_pos))
+        take = p != big
+        new_p = jnp.where(take, new_p.at[v].set(p), new_p)
+        new_s = jnp.where(take, new_s.at[v].set(step), new_s)
+        tier = jnp.where(take, tier.at[v].set(4), tier)   # taken: never chosen again
+    if lru:
+        new_s = new_s.at[jnp.where(hit, hit_slot, cap)].set(step, mode="drop")
+    eq = new_p[None, :] == new_pos[:, None]
+    slots = jnp.where(eq.any(axis=1) & (new_pos >= 0), jnp.argmax(eq, axis=1), -1)
+    return slots.astype(jnp.int32), new_p, new_s
+
+
+def _lexmin_slot(keys) -> jax.Array:
+    """Index of the lexicographically smallest (keys..., slot index) entry, by O(C)
+    reductions instead of a sort."""
+    mask = jnp.ones(keys[0].shape, bool)
+    for k in keys:
+        m = jnp.min(jnp.where(mask, k, jnp.iinfo(jnp.int32).max))
+        mask &= k == m
+    return jnp.argmax(mask).astype(jnp.int32)
 
 
 class ReferenceCache:
