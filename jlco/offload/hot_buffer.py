@@ -169,8 +169,9 @@ def _insert_row(slot_pos, slot_stamp, new_pos, step, lru: bool):
     tier = jnp.where(referenced, 2, 0) + (slot_pos >= 0)
     big = jnp.iinfo(jnp.int32).max
     new_p, new_s = slot_pos, slot_stamp
-    for p in jnp.split(jnp.sort(jnp.where(miss, new_pos, big)), n) if n else []:
-        p = p[0]
+    missed = jnp.sort(jnp.where(miss, new_pos, big))
+    for j in range(n):
+        p = missed[j]
         v = _lexmin_slot((tier, slot_stamp, slot_pos))
         take = p != big
         new_p = jnp.where(take, new_p.at[v].set(p), new_p)
