@@ -47,12 +47,18 @@ class Indexer(nnx.Module):
             w = self.weights_proj(x.astype(jnp.float32)) * scale
         return q, k, w
 
+    def topk(self, q, w, keys, k_scale, kernel_lengths, key_format: str, impl: str):
+        """Top-k positions [b,s,topk] (−1 pad) of queries q/w over cached keys [b,t,D].
+        Separate from `__call__` so the host-driven engine can run selection per
+        micro-batch (every request's top-k depends on its own keys only)."""
+        idx, _ = attention.indexer_topk(q, w, keys, kernel_lengths, self.cfg.index_topk,
+                                        k_scale=k_scale, key_format=key_format, impl=impl)
+        return idx
+
     def __call__(self, x, qr, cos, sin, cache: kv_cache.DecodeCache, layer: int,
                  positions: jax.Array, kernel_lengths: jax.Array, impl: str):
         """Append this step's keys to the cache, then top-k positions [b,s,topk] (−1 pad)."""
         q, k, w = self.project(x, qr, cos, sin)
         cache = kv_cache.write_index_key(cache, layer, k, positions)
         keys, scale = kv_cache.index_keys(cache, layer)
-        idx, _ = attention.indexer_topk(q, w, keys, kernel_lengths, self.cfg.index_topk,
-                                        k_scale=scale, key_format=cache.key_format, impl=impl)
-        return idx, cache
+        return self.topk(q, w, keys, scale, kernel_lengths, cache.key_format, impl), cache

@@ -57,21 +57,40 @@ class MLA(nnx.Module):
         return self.kv_b_proj.weight[...].reshape(
             cfg.kv_lora_rank, cfg.num_attention_heads, cfg.qk_nope_head_dim + cfg.v_head_dim)
 
+    def pre(self, x, cos, sin):
+        """Token-wise projections of one step (no cache access) → (latent rows
+        [b,s,c+r], absorbed queries [b,s,h,c+r], indexer q [b,s,H,D], indexer key [b,s,D],
+        indexer weights [b,s,H]). The host-driven engine runs this phase on the whole
+        batch, then selection and attention per micro-batch, so each phase is shared
+        with `__call__` and both paths compute the same bits."""
+        qr = self.q_a_layernorm(self.q_a_proj(x))
+        iq, ik, iw = self.indexer.project(x, qr, cos, sin)
+        return self.latent(x, cos, sin), self.queries(qr, cos, sin), iq, ik, iw
+
+    def attend(self, q, rows, ids, kv_format: str, impl: str):
+        """Sparse MLA over byte rows [n, R] addressed by ids [b,s,k] → latent-space
+        output [b,s,h,c] (per request: the host-driven engine calls it per micro-batch)."""
+        out, _ = attention.sparse_mla(q, rows, ids, self.cfg.softmax_scale, kv_format=kv_format,
+                                      d_rope=self.cfg.qk_rope_head_dim, impl=impl)
+        return out
+
+    def post(self, out, dtype):
+        """Latent-space attention output [b,s,h,c] → W_UV → o_proj → [b,s,d]."""
+        cfg = self.cfg
+        b, s = out.shape[:2]
+        w_uv = self._wkv()[..., cfg.qk_nope_head_dim:]
+        o = jnp.einsum("bshc,chv->bshv", out.astype(jnp.float32), w_uv.astype(jnp.float32))
+        return self.o_proj(o.reshape(b, s, -1).astype(dtype))
+
     def __call__(self, x, cos, sin, cache: kv_cache.DecodeCache, layer: int,
                  positions, kernel_lengths, impl: str):
-        cfg = self.cfg
-        b, s, _ = x.shape
         with jax.named_scope("mla"):
-            qr = self.q_a_layernorm(self.q_a_proj(x))
-            cache = kv_cache.write_latent(cache, layer, self.latent(x, cos, sin), positions)
-            q = self.queries(qr, cos, sin)
-            topk_pos, cache = self.indexer(x, qr, cos, sin, cache, layer, positions,
-                                           kernel_lengths, impl)
+            latent, q, iq, ik, iw = self.pre(x, cos, sin)
+            cache = kv_cache.write_latent(cache, layer, latent, positions)
+            cache = kv_cache.write_index_key(cache, layer, ik, positions)
+            keys, scale = kv_cache.index_keys(cache, layer)
+            topk_pos = self.indexer.topk(iq, iw, keys, scale, kernel_lengths, cache.key_format,
+                                         impl)
             cache, rows, ids = kv_cache.latent_for_attention(cache, layer, topk_pos)
-            out, _ = attention.sparse_mla(q, rows, ids, cfg.softmax_scale,
-                                          kv_format=cache.kv_format,
-                                          d_rope=cfg.qk_rope_head_dim, impl=impl)
-            w_uv = self._wkv()[..., cfg.qk_nope_head_dim:]
-            o = jnp.einsum("bshc,chv->bshv", out.astype(jnp.float32), w_uv.astype(jnp.float32))
-            o = o.reshape(b, s, -1).astype(x.dtype)
-            return self.o_proj(o), cache
+            out = self.attend(q, rows, ids, cache.kv_format, impl)
+            return self.post(out, x.dtype), cache

@@ -31,8 +31,21 @@ class DecoderLayer(nnx.Module):
     def __call__(self, x, cos, sin, cache, layer: int, positions, kernel_lengths, impl: str):
         a, cache = self.self_attn(self.input_layernorm(x), cos, sin, cache, layer, positions,
                                   kernel_lengths, impl)
+        return self.residual(x, a), cache
+
+    def pre(self, x, cos, sin):
+        """Host-driven phase 1: the attention block's token-wise projections
+        (`MLA.pre` of the normed input); selection/attention run per micro-batch."""
+        return self.self_attn.pre(self.input_layernorm(x), cos, sin)
+
+    def post(self, x, out):
+        """Host-driven phase 3: latent attention output [b,s,h,c] → the block output."""
+        return self.residual(x, self.self_attn.post(out, x.dtype))
+
+    def residual(self, x, a):
+        """x + attention, then + MLP/MoE (shared by `__call__` and `post`)."""
         x = x + a
-        return x + self.mlp(self.post_attention_layernorm(x)), cache
+        return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class SharedHead(nnx.Module):
@@ -86,15 +99,21 @@ class DeepseekV32(nnx.Module):
         if cache.num_layers < self.cfg.num_hidden_layers:
             raise ValueError(f"cache has {cache.num_layers} layers; model needs "
                              f"{self.cfg.num_hidden_layers}")
-        positions = cache.lengths[:, None] + jnp.arange(s, dtype=jnp.int32)[None, :]
-        kernel_lengths = cache.lengths + s
-        cos, sin = rope_cos_sin(self.cfg, positions)
-        x = self.embed(tokens)
+        x, cos, sin, positions, kernel_lengths = self.inputs(tokens, cache)
         for i, layer in enumerate(self.layers):
             with jax.named_scope(f"layer_{i}"):
                 x, cache = layer(x, cos, sin, cache, i, positions, kernel_lengths, impl)
         n_new = jnp.full((b,), s, jnp.int32) if n_new is None else n_new
         return self.norm(x), kv_cache.advance(cache, n_new)
+
+    def inputs(self, tokens: jax.Array, cache: kv_cache.DecodeCache):
+        """tokens [b,s] → (embeddings [b,s,d], RoPE cos/sin, positions [b,s] =
+        lengths[b] + t, kernel lengths [b] = lengths + s): what every layer takes
+        (shared with the host-driven engine, which runs the layers one by one)."""
+        s = tokens.shape[1]
+        positions = cache.lengths[:, None] + jnp.arange(s, dtype=jnp.int32)[None, :]
+        cos, sin = rope_cos_sin(self.cfg, positions)
+        return self.embed(tokens), cos, sin, positions, cache.lengths + s
 
     def logits(self, h: jax.Array) -> jax.Array:
         """LM head over final-normed hidden states → f32 logits."""
