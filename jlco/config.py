@@ -296,15 +296,19 @@ class Config:
         return self.cache.staging_capacity or self.min_staging_capacity
 
     def replace(self, **sections: Any) -> "Config":
-        """Copy with whole sections or `section__field=value` overrides replaced."""
+        """Copy with whole sections or `section__field=value` overrides replaced. A
+        section's overrides apply together, so fields that are only valid jointly
+        (cache__storage='file' with cache__storage_path) can be set in one call."""
         kw: dict[str, Any] = {}
+        per_section: dict[str, dict[str, Any]] = {}
         for key, val in sections.items():
             if "__" in key:
                 sec, field = key.split("__", 1)
-                cur = kw.get(sec, getattr(self, sec))
-                kw[sec] = dataclasses.replace(cur, **{field: val})
+                per_section.setdefault(sec, {})[field] = val
             else:
                 kw[key] = val
+        for sec, fields in per_section.items():
+            kw[sec] = dataclasses.replace(kw.get(sec, getattr(self, sec)), **fields)
         return dataclasses.replace(self, **kw)
 
 

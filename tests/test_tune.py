@@ -19,7 +19,8 @@ _spec.loader.exec_module(tune)
 
 TINY = load_config(ROOT / "configs" / "tiny.py")
 GRID = dict(prefetch_window=[0, 16], prefetch_threads=[2], staging_capacity=[32, 64],
-            eviction=["lru", "fifo"], fetch_path=["in_jit", "host_driven"])
+            eviction=["lru", "fifo"], fetch_path=["in_jit", "host_driven"],
+            storage=["pinned_host"])
 
 
 @pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.py")), ids=lambda p: p.stem)
@@ -42,17 +43,20 @@ def test_written_config_loads_back_equal(path, tmp_path):
 def test_candidates_grid_order_and_validation():
     base = TINY.replace(cache__prefetch_window=16, cache__staging_capacity=64,
                         cache__eviction="fifo", cache__fetch_path="in_jit")
-    cands = tune.candidates(base, GRID, max_trials=100)
+    cands = tune.candidates(base, GRID)
     assert len(cands) == 16 and all(c.cache.offload for c in cands)
     assert tune.knobs(cands[0]) == tune.knobs(base.replace(cache__offload=True))
     assert len({tuple(tune.knobs(c).values()) for c in cands}) == 16
-    assert len(tune.candidates(base, GRID, max_trials=5)) == 5
+    assert [tune.knobs(c) for c in tune.candidates(base, GRID, seed=1)][1:] != \
+        [tune.knobs(c) for c in cands][1:]   # the seed orders the rest
     with pytest.raises(ConfigError, match="cache.staging_capacity"):
-        tune.candidates(base, {**GRID, "staging_capacity": [8]}, 4)   # < index_topk 32
+        tune.candidates(base, {**GRID, "staging_capacity": [8]})   # < index_topk 32
     with pytest.raises(ConfigError, match="cache.eviction"):
-        tune.candidates(base, {**GRID, "eviction": ["random"]}, 4)
+        tune.candidates(base, {**GRID, "eviction": ["random"]})
     with pytest.raises(ValueError, match="missing knobs"):
-        tune.candidates(base, {"eviction": ["lru"]}, 4)
+        tune.candidates(base, {"eviction": ["lru"]})
+    # Config.replace applies one section's overrides together (storage + its path)
+    assert TINY.replace(cache__storage="file", cache__storage_path="/x").cache.storage == "file"
     assert tune.parse_capacity("2x", TINY) == 64 and tune.parse_capacity("48", TINY) == 48
     with pytest.raises(ValueError, match="staging_capacity='big'"):
         tune.parse_capacity("big", TINY)
@@ -79,29 +83,38 @@ def test_pick_respects_tpot_limit_and_check_tokens():
 
 def test_cli_end_to_end(tmp_path):
     """Real engines on a 2-layer model: the offload candidate's tokens equal the
-    offload-off reference, host_driven is reported unsupported, the winner is written."""
+    offload-off reference, in-jit fetch from a file pool is reported unsupported (and not
+    counted as a trial), the winner is written."""
     small = TINY.replace(model=dataclasses.replace(
         TINY.model, num_hidden_layers=2, num_nextn_predict_layers=0, index_topk=16),
-        engine__max_context_len=64, engine__max_batch_size=2, name="tiny2")
+        engine__max_context_len=64, engine__max_batch_size=2, name="tiny2",
+        cache__prefetch_window=8, cache__staging_capacity=32, cache__eviction="fifo",
+        cache__fetch_path="in_jit", cache__storage="file", cache__storage_path=str(tmp_path))
+    # its own knobs (file + in_jit: unsupported) run first, then pinned_host
     cfg_path, out = tmp_path / "tiny2.py", tmp_path / "tuned.py"
     tune.write_config(small, cfg_path)
     cmd = [sys.executable, str(ROOT / "tools" / "tune.py"), f"--config={cfg_path}",
            f"--output={out}", "--prefetch_window=8", "--staging_capacity=2x",
-           "--eviction=fifo", "--fetch_path=in_jit,host_driven", "--num_requests=2",
+           "--eviction=fifo", "--fetch_path=in_jit", "--storage=file,pinned_host",
+           "--num_requests=2",
+           "--max_trials=1", "--repeats=2",
            "--prompt_len=24", "--gen_len=6", "--tpot_ms=60000", "--json"]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert res.returncode == 0, res.stderr[-3000:]
     report = json.loads(res.stdout)
-    ref, (run, unsup) = report["reference"], report["trials"]
+    ref, (unsup, run) = report["reference"], report["trials"]   # unsupported: not a trial
     assert ref["status"] == "ok" and ref["hit_rate"] is None
     assert run["status"] == "ok" and run["tokens_match"] is True
     assert run["decode_tokens"] == 2 * 4 and run["decode_steps"] == 4  # 6 - prefill - admit step
+    assert run["repeats_agree"] and len(run["throughput_runs"]) == 2
     assert run["throughput_tok_s"] > 0 and 0 < run["tpot_ms_mean"] <= run["tpot_ms_p90"]
     assert 0.0 <= run["hit_rate"] <= 1.0
-    assert unsup["status"] == "unsupported" and "host_driven" in unsup["message"]
+    assert unsup["status"] == "unsupported" and "file" in unsup["message"]
+    assert run["knobs"]["storage"] == "pinned_host"
     assert report["winner"]["knobs"] == run["knobs"] and report["output"] == str(out)
     want = small.replace(cache__offload=True, cache__prefetch_window=8,
                          cache__staging_capacity=32, cache__eviction="fifo",
-                         cache__fetch_path="in_jit", name="tiny2_tuned")
+                         cache__fetch_path="in_jit", cache__storage="pinned_host",
+                         name="tiny2_tuned")
     assert isinstance(load_config(out), Config) and load_config(out) == want
-    assert "[1/2]" in res.stderr and "unsupported" in res.stderr   # progress lines
+    assert "[2/2]" in res.stderr and "unsupported" in res.stderr   # progress lines

@@ -1,8 +1,9 @@
 """Tune the offload knobs on a short real-engine workload and write the winning config.
 
 Every candidate (prefetch_window x prefetch_threads x staging_capacity x eviction x
-fetch_path) builds a real `jlco.engine.Engine` on the same model, compiles it with a
-short warm-up run of the workload (not timed), then decodes the workload and records:
+fetch_path x storage) builds a real `jlco.engine.Engine` on the same model, compiles it
+with a short warm-up run of the workload (not timed), then decodes the workload
+`--repeats` times and reports the median pass by throughput:
 
   throughput   generated tokens / wall seconds over pure decode steps (steps that admit
                and prefill a request are left out, so the figure is decode throughput);
@@ -13,8 +14,9 @@ it is written to `--output` as a python config (`CONFIG = Config(...)`, loadable
 `jlco.config.load_config`). Offload settings must never change results: every candidate's
 tokens are compared with the offload-off reference run (or the first candidate) and any
 mismatch fails the tool (exit 1, no config written). Candidates the engine does not
-implement (it raises NotImplementedError, e.g. fetch_path='host_driven') are reported as
-"unsupported" with its message. Each candidate compiles, so grids are small by default.
+implement (it raises NotImplementedError, e.g. fetch_path='in_jit' with storage='file')
+are reported as "unsupported" with its message and do not count against `--max_trials`.
+Each candidate compiles, so grids are small by default.
 
   python tools/tune.py --config configs/tiny.py --output /tmp/tiny_tuned.py --tpot_ms 50
   python tools/tune.py --config configs/32k.py --checkpoint /ckpt/v32 --batch 8 \
@@ -47,7 +49,12 @@ flags.DEFINE_list("staging_capacity", ["1x", "2x"], "cache.staging_capacity valu
                   "'Nx' = N x Config.min_staging_capacity")
 flags.DEFINE_list("eviction", ["lru", "fifo"], "cache.eviction values")
 flags.DEFINE_list("fetch_path", ["in_jit", "host_driven"], "cache.fetch_path values")
-flags.DEFINE_integer("max_trials", 8, "most candidates run (the config's own knobs first)")
+flags.DEFINE_list("storage", [], "cache.storage values (default: the config's; 'file' needs "
+                  "cache.storage_path in the config)")
+flags.DEFINE_integer("max_trials", 8, "most candidates compiled and timed (the config's own "
+                     "knobs first; unsupported ones cost nothing and are not counted)")
+flags.DEFINE_integer("repeats", 3, "timed passes of the workload per candidate (the median "
+                     "pass by throughput is reported; a busy machine makes single passes noisy)")
 flags.DEFINE_integer("num_requests", 4, "requests in the workload")
 flags.DEFINE_integer("prompt_len", 64, "prompt tokens per request")
 flags.DEFINE_integer("gen_len", 16, "generated tokens per request")
@@ -60,7 +67,8 @@ flags.DEFINE_string("impl", "", "attention impl (default: 'xla' on CPU, else the
 flags.DEFINE_integer("seed", 0, "prompt and candidate-order seed")
 flags.DEFINE_bool("json", False, "print JSON instead of the table")
 
-KNOBS = ("prefetch_window", "prefetch_threads", "staging_capacity", "eviction", "fetch_path")
+KNOBS = ("prefetch_window", "prefetch_threads", "staging_capacity", "eviction", "fetch_path",
+         "storage")
 
 
 class TokenMismatch(RuntimeError):
@@ -94,36 +102,24 @@ def parse_capacity(value: str, cfg: Config) -> int:
                          f"'Nx' (N x min_staging_capacity={cfg.min_staging_capacity})") from None
 
 
-def candidates(base: Config, grid: dict, max_trials: int, seed: int = 0) -> list[Config]:
+def candidates(base: Config, grid: dict, seed: int = 0) -> list[Config]:
     """Configs for the grid's product, offload on: the base config's own knobs first
-    (when in the grid), the rest in a seeded shuffle, at most `max_trials`. Invalid
-    values raise ConfigError here, before anything compiles."""
+    (when in the grid), the rest in a seeded shuffle. Invalid values raise ConfigError
+    here, before anything compiles."""
     missing = set(KNOBS) - set(grid)
     if missing:
         raise ValueError(f"grid is missing knobs {sorted(missing)}: allowed keys {KNOBS}")
-    if max_trials < 1:
-        raise ValueError(f"max_trials={max_trials} is invalid: allowed a positive integer")
     base = base.replace(cache__offload=True)
     combos = list(itertools.product(*(grid[k] for k in KNOBS)))
     own = tuple(getattr(base.cache, k) for k in KNOBS)
     rest = [c for c in combos if c != own]
     np.random.default_rng(seed).shuffle(rest)
     ordered = ([own] if own in combos else []) + rest
-    return [base.replace(**{f"cache__{k}": v for k, v in zip(KNOBS, c)})
-            for c in ordered[:max_trials]]
+    return [base.replace(**{f"cache__{k}": v for k, v in zip(KNOBS, c)}) for c in ordered]
 
 
-def measure(cfg: Config, model, work: Workload, impl: str) -> dict:
-    """Build, warm up (compile) and time one engine on the workload."""
-    t0 = time.perf_counter()
-    try:
-        eng = Engine(cfg, model, impl=impl)
-    except NotImplementedError as e:
-        return dict(status="unsupported", message=str(e))
-    eng.generate(work.prompts, min(2, work.gen_len))   # compiles prefill, install, step
-    compile_s = time.perf_counter() - t0
-    if eng.metrics is not None:
-        eng.metrics.reset()
+def _decode_pass(eng: Engine, work: Workload) -> dict:
+    """Decode the workload once; time only steps that admit nothing (pure decode)."""
     reqs = [eng.submit(p, work.gen_len) for p in work.prompts]
     walls, tokens = [], 0
     while True:
@@ -136,12 +132,33 @@ def measure(cfg: Config, model, work: Workload, impl: str) -> dict:
             walls.append(time.perf_counter() - t)
             tokens += sum(len(r.tokens) for r in reqs) - before
     eng.check_no_leaks()
-    walls_ms = np.asarray(walls) * 1e3
-    out = dict(status="ok", compile_s=compile_s, decode_steps=len(walls), decode_tokens=tokens,
-               throughput_tok_s=tokens / sum(walls) if walls else float("nan"),
-               tpot_ms_mean=float(walls_ms.mean()) if walls else float("nan"),
-               tpot_ms_p90=float(np.percentile(walls_ms, 90)) if walls else float("nan"),
-               hit_rate=None, tokens=[list(r.tokens) for r in reqs])
+    ms = np.asarray(walls) * 1e3 if walls else np.full(1, np.nan)
+    return dict(decode_steps=len(walls), decode_tokens=tokens,
+                throughput_tok_s=tokens / sum(walls) if walls else float("nan"),
+                tpot_ms_mean=float(ms.mean()), tpot_ms_p90=float(np.percentile(ms, 90)),
+                tokens=[list(r.tokens) for r in reqs])
+
+
+def measure(cfg: Config, model, work: Workload, impl: str, repeats: int = 3) -> dict:
+    """Build and warm up (compile) one engine, then decode the workload `repeats` times;
+    the pass with the median throughput is reported."""
+    if repeats < 1:
+        raise ValueError(f"repeats={repeats} is invalid: allowed a positive integer")
+    t0 = time.perf_counter()
+    try:
+        eng = Engine(cfg, model, impl=impl)
+    except NotImplementedError as e:
+        return dict(status="unsupported", message=str(e))
+    eng.generate(work.prompts, min(2, work.gen_len))   # compiles prefill, install, step
+    compile_s = time.perf_counter() - t0
+    if eng.metrics is not None:
+        eng.metrics.reset()
+    passes = [_decode_pass(eng, work) for _ in range(repeats)]
+    order = sorted(range(repeats), key=lambda i: passes[i]["throughput_tok_s"])
+    out = dict(status="ok", compile_s=compile_s, **passes[order[repeats // 2]],
+               throughput_runs=[p["throughput_tok_s"] for p in passes],
+               repeats_agree=all(p["tokens"] == passes[0]["tokens"] for p in passes),
+               hit_rate=None)
     if eng.metrics is not None:
         out["hit_rate"] = eng.metrics.snapshot()["total"]["hit_rate"]
     return out
@@ -151,26 +168,32 @@ def knobs(cfg: Config) -> dict:
     return {k: getattr(cfg.cache, k) for k in KNOBS}
 
 
-def tune(cands: list[Config], model, work: Workload, *, impl: str,
-         reference: Config | None = None, progress=None) -> dict:
-    """Run every candidate (and the offload-off reference first, when given); return
-    {"reference": trial | None, "trials": [trial, ...]} with each trial's knobs, status,
-    figures and `tokens_match`. Tokens are compared with the reference, else the first
-    successful candidate."""
+def tune(cands: list[Config], model, work: Workload, *, impl: str, max_trials: int = 8,
+         repeats: int = 3, reference: Config | None = None, progress=None) -> dict:
+    """Run candidates in order until `max_trials` have compiled and run (unsupported ones
+    are recorded but not counted), the offload-off reference first when given. Returns
+    {"reference": trial | None, "trials": [trial, ...]}, each trial with its knobs,
+    status, figures and `tokens_match` (against the reference, else the first
+    successful candidate, and across its own repeats)."""
+    if max_trials < 1:
+        raise ValueError(f"max_trials={max_trials} is invalid: allowed a positive integer")
     say = progress or (lambda msg: None)
     ref_trial = None
     if reference is not None:
-        say(f"[ref] offload off: compiling and decoding ...")
-        ref_trial = dict(knobs=None, offload=False, **measure(reference, model, work, impl))
+        say("[ref] offload off: compiling and decoding ...")
+        ref_trial = dict(knobs=None, offload=False,
+                         **measure(reference, model, work, impl, repeats))
         say(f"[ref] {_summary(ref_trial)}")
     trials, want = [], ref_trial["tokens"] if ref_trial and ref_trial["status"] == "ok" else None
     for i, cfg in enumerate(cands):
+        if sum(t["status"] == "ok" for t in trials) >= max_trials:
+            break
         label = " ".join(f"{k}={v}" for k, v in knobs(cfg).items())
         say(f"[{i + 1}/{len(cands)}] {label}: compiling and decoding ...")
-        tr = dict(knobs=knobs(cfg), offload=True, **measure(cfg, model, work, impl))
+        tr = dict(knobs=knobs(cfg), offload=True, **measure(cfg, model, work, impl, repeats))
         if tr["status"] == "ok":
             want = tr["tokens"] if want is None else want
-            tr["tokens_match"] = tr["tokens"] == want
+            tr["tokens_match"] = tr["repeats_agree"] and tr["tokens"] == want
         trials.append(tr)
         say(f"[{i + 1}/{len(cands)}] {label}: {_summary(tr)}")
     return dict(reference=ref_trial, trials=trials)
@@ -241,20 +264,20 @@ def write_config(cfg: Config, path: str | pathlib.Path, doc: str = "") -> None:
 
 
 def _table(report: dict) -> str:
-    cols = ("window", "threads", "staging", "evict", "fetch", "tok/s", "tpot ms", "p90 ms",
-            "hit rate", "tokens", "status")
+    cols = ("window", "threads", "staging", "evict", "fetch", "storage", "tok/s", "tpot ms",
+            "p90 ms", "hit rate", "tokens", "status")
     lines = [" ".join(f"{c:>9}" for c in cols)]
     ref = report["reference"]
     rows = ([("offload off (reference)", ref)] if ref else []) + [
         (" ".join(f"{str(v):>9}" for v in t["knobs"].values()), t) for t in report["trials"]]
     for label, t in rows:
         if t["status"] != "ok":
-            lines.append(f"{label} {'':>39} {t['status']}: {t['message'][:60]}")
+            lines.append(f"{label} {t['status']}: {t['message'][:70]}")
             continue
         hr = "-" if t["hit_rate"] is None else f"{t['hit_rate']:.3f}"
         same = "ref" if t.get("tokens_match") is None else ("same" if t["tokens_match"]
                                                             else "DIFFER")
-        lines.append(f"{label:>49} {t['throughput_tok_s']:9.1f} {t['tpot_ms_mean']:9.2f} "
+        lines.append(f"{label:>59} {t['throughput_tok_s']:9.1f} {t['tpot_ms_mean']:9.2f} "
                      f"{t['tpot_ms_p90']:9.2f} {hr:>9} {same:>9} {'ok':>9}")
     w = report.get("winner")
     lines.append("winner: " + (json.dumps(w["knobs"]) if w else "none") +
@@ -263,10 +286,11 @@ def _table(report: dict) -> str:
 
 
 def _load(cfg: Config):
-    """(cfg, model): random weights from cfg.model, or the checkpoint's model and config."""
+    """(cfg, model): random weights from cfg.model, or the checkpoint's model, whose own
+    model config then replaces cfg.model (cache/engine sections stay the config's)."""
     if FLAGS.checkpoint:
         from jlco.checkpoint import load_model
-        mcfg, model, _ = load_model(FLAGS.checkpoint, {"dtype": cfg.model.dtype})
+        mcfg, model, _ = load_model(FLAGS.checkpoint)
         return cfg.replace(model=mcfg), model
     from flax import nnx
     from jlco.model import DeepseekV32
@@ -286,7 +310,8 @@ def _grid(cfg: Config) -> dict:
     return dict(prefetch_window=_ints("prefetch_window", FLAGS.prefetch_window),
                 prefetch_threads=_ints("prefetch_threads", threads),
                 staging_capacity=sorted({parse_capacity(v, cfg) for v in FLAGS.staging_capacity}),
-                eviction=list(FLAGS.eviction), fetch_path=list(FLAGS.fetch_path))
+                eviction=list(FLAGS.eviction), fetch_path=list(FLAGS.fetch_path),
+                storage=list(FLAGS.storage) or [cfg.cache.storage])
 
 
 def _workload_cfg(cfg: Config) -> Config:
@@ -304,7 +329,10 @@ def main(argv) -> None:
         raise app.UsageError("--config is required (a python config file, configs/*.py)")
     try:
         cfg = _workload_cfg(load_config(FLAGS.config))
-        cands = candidates(cfg, _grid(cfg), FLAGS.max_trials, FLAGS.seed)
+        for name in ("max_trials", "repeats"):
+            if FLAGS[name].value < 1:
+                raise ValueError(f"--{name}={FLAGS[name].value} is invalid: allowed >= 1")
+        cands = candidates(cfg, _grid(cfg), FLAGS.seed)
         work = Workload.random(cfg.model.vocab_size, FLAGS.num_requests, FLAGS.prompt_len,
                                FLAGS.gen_len, FLAGS.seed)
     except (ConfigError, ValueError) as e:
@@ -314,7 +342,8 @@ def main(argv) -> None:
     impl = FLAGS.impl or ("xla" if jax.default_backend() == "cpu" else cfg.engine.attention_impl)
     ref = cfg.replace(cache__offload=False) if FLAGS.reference else None
     say = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
-    report = tune(cands, model, work, impl=impl, reference=ref, progress=say)
+    report = tune(cands, model, work, impl=impl, max_trials=FLAGS.max_trials,
+                  repeats=FLAGS.repeats, reference=ref, progress=say)
     report.update(config=FLAGS.config, impl=impl, backend=jax.default_backend(),
                   workload=dict(num_requests=len(work.prompts), prompt_len=FLAGS.prompt_len,
                                 gen_len=work.gen_len, batch=cfg.engine.max_batch_size),
