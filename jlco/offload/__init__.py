@@ -7,7 +7,8 @@ from jlco.offload.host_pool import (STORAGES, HostLatentPool, host_compute, host
                                     scatter_to_host)
 from jlco.offload.hot_buffer import (POLICIES, HotBuffer, ReferenceCache, Resolution,
                                      check_capacity, clear_requests, gather_slots,
-                                     init_hot_buffer, insert_new, resolve, scatter_rows)
+                                     init_hot_buffer, insert_new, insert_slots, resolve,
+                                     scatter_rows)
 from jlco.offload.metrics import OffloadMetrics
 from jlco.offload.pages import HostPoolFull, PageAllocator, PageLeakError
 
@@ -16,6 +17,7 @@ __all__ = [
     "gather_host_rows", "STORAGES", "HostLatentPool", "host_compute", "host_row_ids",
     "scatter_to_host", "POLICIES", "HotBuffer", "ReferenceCache", "Resolution",
     "check_capacity", "clear_requests", "gather_slots", "init_hot_buffer", "insert_new",
+    "insert_slots",
     "resolve", "scatter_rows", "OffloadMetrics", "HostPoolFull", "PageAllocator",
     "PageLeakError",
 ]

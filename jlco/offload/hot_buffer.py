@@ -146,13 +146,21 @@ def insert_new(rows: jax.Array, slot_pos: jax.Array, slot_stamp: jax.Array,
     table (n is 1 + drafts): a few O(C) reductions per new token instead, since XLA:CPU
     sorts made this the costliest part of an offloaded decode step.
     Returns (rows, slot_pos, slot_stamp)."""
+    slots, slot_pos, slot_stamp = insert_slots(slot_pos, slot_stamp, new_pos, step, policy)
+    return scatter_rows(rows, slots, new_rows), slot_pos, slot_stamp
+
+
+def insert_slots(slot_pos: jax.Array, slot_stamp: jax.Array, new_pos: jax.Array, step,
+                 policy: str = "lru"):
+    """`insert_new` without the row write: → (slots int32 [b, n], −1 where new_pos is
+    invalid; slot_pos; slot_stamp), so a caller can scatter the rows straight into a
+    bigger (e.g. all-layer, donated) array instead of a copied slice of it."""
     if policy not in POLICIES:
         raise ValueError(f"insert_new: policy={policy!r} is invalid: allowed {POLICIES}")
     step = jnp.asarray(step, jnp.int32)
     with jax.named_scope("hot_buffer_insert_new"):
-        slots, slot_pos, slot_stamp = jax.vmap(_insert_row, in_axes=(0, 0, 0, None, None))(
+        return jax.vmap(_insert_row, in_axes=(0, 0, 0, None, None))(
             slot_pos, slot_stamp, new_pos.astype(jnp.int32), step, policy == "lru")
-    return scatter_rows(rows, slots, new_rows), slot_pos, slot_stamp
 
 
 def _insert_row(slot_pos, slot_stamp, new_pos, step, lru: bool):

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 
 from jlco.offload.fetch import fetch_in_jit
 from jlco.offload.host_pool import host_row_ids, scatter_to_host
-from jlco.offload.hot_buffer import insert_new, resolve
+from jlco.offload.hot_buffer import insert_slots, resolve
 
 # Columns of OffloadLatent.stats, accumulated inside jit (read once per step by the engine).
 STAT_LOOKUPS, STAT_HITS, STAT_MISSES, STAT_MOVED, STAT_D2H = range(5)
@@ -68,12 +68,17 @@ def write_latent(lat: OffloadLatent, layer: int, data: jax.Array,
         host = list(lat.host)
         host[layer] = scatter_to_host(host[layer], ids.reshape(-1),
                                       data.reshape(-1, data.shape[-1]))
-        rows, pos, stamp = insert_new(lat.rows[layer], lat.slot_pos[layer],
-                                      lat.slot_stamp[layer], jnp.where(ids >= 0, positions, -1),
-                                      data, lat.step, lat.policy)
+        slots, pos, stamp = insert_slots(lat.slot_pos[layer], lat.slot_stamp[layer],
+                                         jnp.where(ids >= 0, positions, -1), lat.step,
+                                         lat.policy)
+        # Scatter into the whole donated [L, b, m, R] array: writing a rows[layer] slice
+        # back would copy the layer's hot buffer every step.
+        b, cap = lat.rows.shape[1:3]
+        bidx = jnp.broadcast_to(jnp.arange(b)[:, None], slots.shape)
+        rows = lat.rows.at[layer, bidx, jnp.where(slots >= 0, slots, cap)].set(data, mode="drop")
         d2h = (ids >= 0).sum(dtype=jnp.int32)
         return dataclasses.replace(
-            lat, host=tuple(host), rows=lat.rows.at[layer].set(rows),
+            lat, host=tuple(host), rows=rows,
             slot_pos=lat.slot_pos.at[layer].set(pos),
             slot_stamp=lat.slot_stamp.at[layer].set(stamp),
             stats=lat.stats.at[layer, STAT_D2H].add(d2h))
