@@ -22,7 +22,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import SingleDeviceSharding
 
-from jlco import engine_steps
+from jlco import engine_host, engine_steps
 from jlco.config import Config
 from jlco.decode import prefill
 from jlco.kv_cache import DecodeCache, cache_layers, init_cache
@@ -67,23 +67,20 @@ def allocate_cache(cfg: Config) -> tuple[DecodeCache, PageAllocator | None]:
     exactly this allocation."""
     if not cfg.cache.offload:
         return init_cache(cfg), None
-    if cfg.cache.storage == "file" or cfg.cache.fetch_path == "host_driven":
-        raise NotImplementedError(
-            f"cache.storage={cfg.cache.storage!r} / cache.fetch_path="
-            f"{cfg.cache.fetch_path!r}: the engine runs the in-jit fetch from pinned_host "
-            "or unpinned_host memory; the host-driven path exists as a building block "
-            "(jlco.offload.fetch) but is not wired into the engine yet")
+    # Host-driven: the pool is engine_host's HostLatentPool, outside the jitted cache.
+    host_driven = engine_host.resolve_fetch_path(cfg) == "host_driven"
     batch, page = cfg.engine.max_batch_size, cfg.cache.page_size
     pages_per_req = -(-cfg.engine.max_context_len // page)
     num_pages = batch * pages_per_req
-    host = SingleDeviceSharding(jax.devices()[0], memory_kind=cfg.cache.storage)
     n_layers, cap, rb = cache_layers(cfg), cfg.staging_capacity, cfg.row_bytes
-    zeros = jax.jit(lambda: jnp.zeros((num_pages * page, rb), jnp.uint8), out_shardings=host)
+    if not host_driven:
+        host = SingleDeviceSharding(jax.devices()[0], memory_kind=cfg.cache.storage)
+        zeros = jax.jit(lambda: jnp.zeros((num_pages * page, rb), jnp.uint8), out_shardings=host)
     lat = OffloadLatent(
         rows=jnp.zeros((n_layers, batch, cap, rb), jnp.uint8),
         slot_pos=jnp.full((n_layers, batch, cap), -1, jnp.int32),
         slot_stamp=jnp.full((n_layers, batch, cap), -1, jnp.int32),
-        host=tuple(zeros() for _ in range(n_layers)),
+        host=() if host_driven else tuple(zeros() for _ in range(n_layers)),
         page_table=jnp.full((batch, pages_per_req), -1, jnp.int32),
         step=jnp.int32(0), stats=jnp.zeros((n_layers, len(STAT_NAMES)), jnp.int32),
         policy=cfg.cache.eviction, page_size=page, chunk_rows=_chunk_rows(cfg))
@@ -155,12 +152,19 @@ class Engine:
     # ---- construction -------------------------------------------------------------
     def _init_cache(self) -> DecodeCache:
         cache, self.pages = allocate_cache(self.cfg)
+        self.host = None   # the host-driven fetch path, when cfg selects it
+        if self.offload and engine_host.resolve_fetch_path(self.cfg) == "host_driven":
+            self.host = engine_host.HostDriven(self.cfg, self.graphdef, self.state,
+                                               impl=self.impl, num_pages=self.pages.num_pages,
+                                               metrics=self.metrics)
         return cache
 
     def _shardings(self, tree):
         return jax.tree.map(lambda x: x.sharding, tree)
 
     def _compile_step(self):
+        if self.host is not None:
+            return self.host.decode_step
         fn = functools.partial(engine_steps.decode_step, impl=self.impl)
         if not self.offload:
             return jax.jit(fn, donate_argnums=2)
@@ -169,6 +173,8 @@ class Engine:
 
     @functools.cached_property
     def _jit_forward(self):
+        if self.host is not None:
+            return self.host.forward
         fn = functools.partial(engine_steps.forward, impl=self.impl)
         if not self.offload:
             return jax.jit(fn, donate_argnums=2)
@@ -177,6 +183,8 @@ class Engine:
 
     @functools.cached_property
     def _jit_install(self):
+        if self.host is not None:
+            return self.host.install
         if not self.offload:
             return jax.jit(engine_steps.install, donate_argnums=0)
         return jax.jit(engine_steps.install, donate_argnums=0,
@@ -184,6 +192,8 @@ class Engine:
 
     @functools.cached_property
     def _jit_warm_up(self):
+        if self.host is not None:
+            return self.host.warm_up
         dev = SingleDeviceSharding(jax.devices()[0])
         return jax.jit(engine_steps.warm_up, donate_argnums=0,
                        out_shardings=(self._shardings(self.cache), dev))

@@ -1,0 +1,122 @@
+"""Host-driven miss fetch (cache.fetch_path="host_driven") vs on-device and in-jit:
+tokens and log-probs EXACTLY equal to offload-off (pinned_host and file storage, LRU
+and FIFO, f32 and fp8 rows, requests joining and leaving on 2 slots, s_q = 2), and the
+same hits/misses/bytes as the in-jit path on the same workload (same policy, same
+resolution sequence). Workload as in test_engine.py."""
+
+import os
+
+import numpy as np
+import pytest
+from flax import nnx
+
+from jlco import engine_host
+from jlco.config import load_config
+from jlco.engine import Engine, device_cache_bytes
+from jlco.model import DeepseekV32
+
+BASE = load_config("configs/tiny.py").replace(
+    engine__attention_impl="xla", engine__max_batch_size=2, engine__max_context_len=160)
+PROMPT_LENS, NEW_TOKENS = (5, 70, 40, 90), (9, 4, 7, 6)
+COUNTS = ("lookups", "hits", "misses", "h2d_rows", "d2h_rows")
+
+
+@pytest.fixture(scope="module")
+def model():
+    return DeepseekV32(BASE.model, rngs=nnx.Rngs(0))
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = np.random.default_rng(1)
+    return [list(map(int, rng.integers(0, BASE.model.vocab_size, n))) for n in PROMPT_LENS]
+
+
+def _run(cfg, model, prompts):
+    eng = Engine(cfg, model)
+    reqs = [eng.submit(p, n) for p, n in zip(prompts, NEW_TOKENS)]
+    eng.run()
+    assert all(r.status == "finished" for r in reqs)
+    eng.check_no_leaks()
+    assert eng.slots == [None, None]
+    if eng.pages is not None:
+        assert eng.pages.used_pages == 0
+    return eng, [(r.tokens, r.logprobs) for r in reqs]
+
+
+def test_host_driven_equals_on_device_and_in_jit(model, prompts):
+    """pinned_host, LRU, f32 rows, transfers in chunks of 16 rows (several per layer)."""
+    cfg = BASE.replace(cache__offload=True, cache__eviction="lru", cache__prefetch_window=16)
+    _, base = _run(BASE, model, prompts)
+    jit_eng, in_jit = _run(cfg.replace(cache__fetch_path="in_jit"), model, prompts)
+    eng, got = _run(cfg.replace(cache__fetch_path="host_driven"), model, prompts)
+    assert eng.host is not None and jit_eng.host is None
+    assert got == base == in_jit
+    ours, theirs = (e.metrics.snapshot()["per_layer"] for e in (eng, jit_eng))
+    for k in COUNTS:
+        assert ours[k] == theirs[k], k
+    assert eng.warmup_rows == jit_eng.warmup_rows > 0
+    assert sum(ours["misses"]) > 0
+    layers = BASE.model.num_hidden_layers
+    assert all(w > 0 for w in ours["fetch_wait_s"][:layers])
+    # padded to powers of two, at most the window per chunk: never fewer rows than missed
+    assert all(m >= r for m, r in zip(ours["h2d_moved_rows"], ours["h2d_rows"]))
+    # the host pool is outside the cache pytree: same device bytes as the in-jit engine
+    assert device_cache_bytes(cfg.replace(cache__fetch_path="host_driven"), 2) == \
+        device_cache_bytes(cfg, 2)
+
+
+def test_file_storage_fp8_fifo(model, prompts, tmp_path, monkeypatch):
+    """storage "file" (np.memmap; auto picks host_driven), FIFO, fp8 rows, one transfer
+    per micro-batch, and the gather split across both prefetch threads."""
+    monkeypatch.setattr(engine_host, "MIN_ROWS_PER_THREAD", 2)
+    fp8 = BASE.replace(cache__kv_format="fp8")
+    _, base = _run(fp8, model, prompts)
+    cfg = fp8.replace(cache__offload=True, cache__storage="file",
+                      cache__storage_path=str(tmp_path), cache__eviction="fifo",
+                      cache__staging_capacity=48, cache__prefetch_window=0,
+                      cache__prefetch_threads=2)
+    eng, got = _run(cfg, model, prompts)
+    assert eng.host is not None and eng.host.pool.storage == "file"
+    assert got == base
+    total = eng.metrics.snapshot()["total"]
+    assert total["lookups"] == total["hits"] + total["misses"] > 0
+    assert total["misses"] > 0 and total["d2h_rows"] > 0
+    assert len(os.listdir(tmp_path)) == 1
+    eng.host.close()
+    assert os.listdir(tmp_path) == []
+
+
+def test_multi_token_forward_equal(model, prompts):
+    """s_q = 2 through Engine.forward: the verification pass of speculative decoding."""
+    cfg = BASE.replace(engine__num_draft_tokens=1)
+    off = Engine(cfg, model)
+    on = Engine(cfg.replace(cache__offload=True, cache__fetch_path="host_driven",
+                            cache__eviction="fifo"), model)
+    for eng in (off, on):
+        for p in prompts[2:]:
+            eng.submit(p, 8)
+    rng = np.random.default_rng(2)
+    for _ in range(3):
+        toks = rng.integers(0, BASE.model.vocab_size, (2, 2))
+        np.testing.assert_array_equal(off.forward(toks), on.forward(toks))
+
+
+def test_fetch_path_choice_and_errors(tmp_path):
+    cfg = BASE.replace(cache__offload=True)
+    assert engine_host.resolve_fetch_path(cfg) == "in_jit"
+    assert engine_host.resolve_fetch_path(cfg.replace(cache__storage="unpinned_host",
+                                                      cache__fetch_path="host_driven")) \
+        == "host_driven"
+    file_cfg = cfg.replace(cache__storage="file", cache__storage_path=str(tmp_path))
+    assert engine_host.resolve_fetch_path(file_cfg) == "host_driven"
+    with pytest.raises(NotImplementedError, match="fetch_path='in_jit'.*storage='file'"):
+        engine_host.resolve_fetch_path(file_cfg.replace(cache__fetch_path="in_jit"))
+
+
+def test_micro_batches_and_buckets():
+    assert engine_host.micro_batches(1) == ((0, 1),)
+    assert engine_host.micro_batches(2) == ((0, 1), (1, 1))
+    assert engine_host.micro_batches(5) == ((0, 3), (3, 2))
+    assert [engine_host._bucket(n, 0) for n in (1, 3, 4, 5, 100)] == [1, 4, 4, 8, 128]
+    assert engine_host._bucket(100, 96) == 96 and engine_host._bucket(5, 16) == 8
