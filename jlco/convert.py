@@ -21,11 +21,17 @@ from jlco.checkpoint import CheckpointError, check_new_output, load_hf_checkpoin
 
 _DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float32": np.float32}
 
-flags.DEFINE_string("checkpoint", None, "Hugging Face checkpoint directory (config.json + "
-                    "model.safetensors or model.safetensors.index.json)", required=True)
-flags.DEFINE_string("output", None, "new directory for the Orbax checkpoint", required=True)
-flags.DEFINE_enum("dtype", "bfloat16", list(_DTYPES), "weight dtype of the converted model")
-flags.DEFINE_bool("progress", True, "show tqdm progress on stderr")
+
+def define_flags() -> None:
+    """Flags are defined only when this module runs as a program, so importing it
+    (tests, other tools) never collides with another CLI's flag names."""
+    flags.DEFINE_string("checkpoint", None, "Hugging Face checkpoint directory (config.json + "
+                        "model.safetensors or model.safetensors.index.json)", required=True)
+    flags.DEFINE_string("output", None, "new directory for the Orbax checkpoint", required=True)
+    flags.DEFINE_enum("dtype", "bfloat16", list(_DTYPES), "weight dtype of the converted model")
+    flags.DEFINE_bool("progress", True, "show tqdm progress on stderr")
+
+
 FLAGS = flags.FLAGS
 
 
@@ -70,4 +76,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    define_flags()
     app.run(main)

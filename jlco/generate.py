@@ -16,18 +16,23 @@ from absl import app, flags, logging
 
 FLAGS = flags.FLAGS
 _ROOT = pathlib.Path(__file__).resolve().parent.parent
-flags.DEFINE_string("checkpoint", None, "HF or Orbax checkpoint directory (none: random tiny model)")
-flags.DEFINE_string("config", None, "config file for the cache/engine sections (and the model "
-                    "when no checkpoint is given); default configs/tiny.py")
-flags.DEFINE_string("prompt_ids", None, "comma-separated prompt token ids, e.g. 1,2,3")
-flags.DEFINE_string("prompt", None, "prompt text (needs a checkpoint with tokenizer.json)")
-flags.DEFINE_integer("max_new_tokens", 16, "tokens to generate")
-flags.DEFINE_float("temperature", 0.0, "sampling temperature; 0 = greedy")
-flags.DEFINE_integer("seed", 0, "random seed (sampling, and the random model's weights)")
-flags.DEFINE_bool("offload", None, "latent cache in host memory (default: the config's value)")
-flags.DEFINE_enum("impl", None, ["auto", "xla", "pallas"], "attention kernels (default: config)")
-flags.DEFINE_integer("num_draft_tokens", 0, "MTP draft tokens per step (needs an MTP layer)")
-flags.DEFINE_bool("json", False, "print {\"tokens\": [...], \"logprobs\": [...]}")
+
+
+def define_flags() -> None:
+    """Flags are defined only when this module runs as a program, so importing it
+    (tests, other tools) never collides with another CLI's flag names."""
+    flags.DEFINE_string("checkpoint", None, "HF or Orbax checkpoint directory (none: random tiny model)")
+    flags.DEFINE_string("config", None, "config file for the cache/engine sections (and the model "
+                        "when no checkpoint is given); default configs/tiny.py")
+    flags.DEFINE_string("prompt_ids", None, "comma-separated prompt token ids, e.g. 1,2,3")
+    flags.DEFINE_string("prompt", None, "prompt text (needs a checkpoint with tokenizer.json)")
+    flags.DEFINE_integer("max_new_tokens", 16, "tokens to generate")
+    flags.DEFINE_float("temperature", 0.0, "sampling temperature; 0 = greedy")
+    flags.DEFINE_integer("seed", 0, "random seed (sampling, and the random model's weights)")
+    flags.DEFINE_bool("offload", None, "latent cache in host memory (default: the config's value)")
+    flags.DEFINE_enum("impl", None, ["auto", "xla", "pallas"], "attention kernels (default: config)")
+    flags.DEFINE_integer("num_draft_tokens", 0, "MTP draft tokens per step (needs an MTP layer)")
+    flags.DEFINE_bool("json", False, "print {\"tokens\": [...], \"logprobs\": [...]}")
 
 
 def _fail(msg: str) -> None:
@@ -101,4 +106,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    define_flags()
     app.run(main)

@@ -20,17 +20,22 @@ from absl import app, flags
 from jlco.offload import HostLatentPool, MissFetcher, PageAllocator, init_hot_buffer, resolve
 
 FLAGS = flags.FLAGS
-flags.DEFINE_integer("row_bytes", 656, "bytes per latent row (656 = FlashMLA fp8 layout)")
-flags.DEFINE_list("rows", ["64", "512", "2048"], "missed rows per fetch")
-flags.DEFINE_integer("pool_rows", 480_000, "rows in the host pool (480k x 656 B = 315 MB)")
-flags.DEFINE_integer("page_size", 64, "tokens per host page")
-flags.DEFINE_enum("storage", "pinned_host", ["pinned_host", "unpinned_host", "file"], "host storage")
-flags.DEFINE_string("storage_path", "/tmp", "directory for storage=file")
-flags.DEFINE_list("paths", ["in_jit:0", "in_jit:256", "host_driven:0"],
-                  "fetch paths as path:chunk_rows (chunk 0 = one padded gather)")
-flags.DEFINE_integer("iters", 10, "timed repetitions (median reported)")
-flags.DEFINE_integer("seed", 0, "row-id sampling seed")
-flags.DEFINE_string("json_out", "", "write results here as JSON")
+
+
+def define_flags() -> None:
+    """Flags are defined only when this module runs as a program, so importing it
+    (tests, other tools) never collides with another CLI's flag names."""
+    flags.DEFINE_integer("row_bytes", 656, "bytes per latent row (656 = FlashMLA fp8 layout)")
+    flags.DEFINE_list("rows", ["64", "512", "2048"], "missed rows per fetch")
+    flags.DEFINE_integer("pool_rows", 480_000, "rows in the host pool (480k x 656 B = 315 MB)")
+    flags.DEFINE_integer("page_size", 64, "tokens per host page")
+    flags.DEFINE_enum("storage", "pinned_host", ["pinned_host", "unpinned_host", "file"], "host storage")
+    flags.DEFINE_string("storage_path", "/tmp", "directory for storage=file")
+    flags.DEFINE_list("paths", ["in_jit:0", "in_jit:256", "host_driven:0"],
+                      "fetch paths as path:chunk_rows (chunk 0 = one padded gather)")
+    flags.DEFINE_integer("iters", 10, "timed repetitions (median reported)")
+    flags.DEFINE_integer("seed", 0, "row-id sampling seed")
+    flags.DEFINE_string("json_out", "", "write results here as JSON")
 
 
 def _median_s(fn, iters):
@@ -114,4 +119,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    define_flags()
     app.run(main)

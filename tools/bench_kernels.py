@@ -31,26 +31,32 @@ from jlco.pallas import indexer as ix
 from jlco.pallas.fp8_rows import fp8_row_bytes, quantize_kv_rows
 
 FLAGS = flags.FLAGS
-flags.DEFINE_bool("small", False, "tiny CPU preset (overrides the shape flags)")
-flags.DEFINE_list("kernels", ["sparse_mla", "indexer"], "which kernels to time")
-flags.DEFINE_list("impls", ["auto", "xla"], "dispatch impls to time (auto = kernel)")
-flags.DEFINE_integer("batch", 16, "requests per step (b)")
-flags.DEFINE_integer("s_q", 2, "query tokens per request per step (1 + MTP drafts)")
-flags.DEFINE_integer("heads", 128, "MLA query heads (h)")
-flags.DEFINE_integer("d_nope", 512, "MLA latent (kv_lora_rank)")
-flags.DEFINE_integer("d_rope", 64, "MLA rope dims")
-flags.DEFINE_integer("topk", 2048, "selected rows per query token")
-flags.DEFINE_integer("context", 32768, "latent rows per request in the MLA cache")
-flags.DEFINE_enum("kv_format", "fp8", ["bf16", "f32", "fp8"], "MLA latent row format")
-flags.DEFINE_integer("index_heads", 64, "indexer heads (H)")
-flags.DEFINE_integer("index_dim", 128, "indexer head dim (D)")
-flags.DEFINE_integer("index_context", 131072, "indexer keys per request (L)")
-flags.DEFINE_enum("key_format", "fp8", ["bf16", "fp8"], "indexer key format")
-flags.DEFINE_integer("block_n", None, "override the tuned indexer block_n (auto impl)")
-flags.DEFINE_integer("warmup", 2, "untimed runs after compilation")
-flags.DEFINE_integer("iters", 10, "timed runs (median reported)")
-flags.DEFINE_integer("seed", 0, "input seed")
-flags.DEFINE_string("out", None, "write results as JSON here")
+
+
+def define_flags() -> None:
+    """Flags are defined only when this module runs as a program, so importing it
+    (tests, other tools) never collides with another CLI's flag names."""
+    flags.DEFINE_bool("small", False, "tiny CPU preset (overrides the shape flags)")
+    flags.DEFINE_list("kernels", ["sparse_mla", "indexer"], "which kernels to time")
+    flags.DEFINE_list("impls", ["auto", "xla"], "dispatch impls to time (auto = kernel)")
+    flags.DEFINE_integer("batch", 16, "requests per step (b)")
+    flags.DEFINE_integer("s_q", 2, "query tokens per request per step (1 + MTP drafts)")
+    flags.DEFINE_integer("heads", 128, "MLA query heads (h)")
+    flags.DEFINE_integer("d_nope", 512, "MLA latent (kv_lora_rank)")
+    flags.DEFINE_integer("d_rope", 64, "MLA rope dims")
+    flags.DEFINE_integer("topk", 2048, "selected rows per query token")
+    flags.DEFINE_integer("context", 32768, "latent rows per request in the MLA cache")
+    flags.DEFINE_enum("kv_format", "fp8", ["bf16", "f32", "fp8"], "MLA latent row format")
+    flags.DEFINE_integer("index_heads", 64, "indexer heads (H)")
+    flags.DEFINE_integer("index_dim", 128, "indexer head dim (D)")
+    flags.DEFINE_integer("index_context", 131072, "indexer keys per request (L)")
+    flags.DEFINE_enum("key_format", "fp8", ["bf16", "fp8"], "indexer key format")
+    flags.DEFINE_integer("block_n", None, "override the tuned indexer block_n (auto impl)")
+    flags.DEFINE_integer("warmup", 2, "untimed runs after compilation")
+    flags.DEFINE_integer("iters", 10, "timed runs (median reported)")
+    flags.DEFINE_integer("seed", 0, "input seed")
+    flags.DEFINE_string("out", None, "write results as JSON here")
+
 
 SMALL = dict(batch=2, s_q=2, heads=16, d_nope=128, topk=64, context=256, index_heads=8,
              index_dim=64, index_context=1024, iters=3, warmup=1)
@@ -188,4 +194,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    define_flags()
     app.run(main)

@@ -23,22 +23,27 @@ from absl import app, flags
 from jlco import trace
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("trace", "", "trace file written by jlco.trace.TraceWriter")
-flags.DEFINE_bool("synthetic", False, "generate an ESS-shaped synthetic trace instead")
-flags.DEFINE_integer("context", 8192, "synthetic: context tokens")
-flags.DEFINE_integer("topk", 512, "synthetic: top-k")
-flags.DEFINE_integer("layers", 61, "synthetic: layers")
-flags.DEFINE_integer("steps", 48, "synthetic: decode steps")
-flags.DEFINE_integer("requests", 1, "synthetic: requests")
-flags.DEFINE_integer("queries_per_step", 1, "synthetic: s_q (1 + MTP drafts)")
-flags.DEFINE_float("accept", 1.0, "synthetic: mean accepted tokens per step")
-flags.DEFINE_integer("seed", 0, "synthetic: seed")
-flags.DEFINE_list("capacities", [], "hot-buffer rows per request per layer (default: "
-                  "1, 1.5, 2, 3, 4 x the largest step set)")
-flags.DEFINE_list("policies", list(trace.POLICIES), "policies to replay")
-flags.DEFINE_integer("warmup", 0, "steps replayed but not counted")
-flags.DEFINE_bool("json", False, "print JSON instead of the table")
-flags.DEFINE_string("plot", "", "write a PNG of hit rate vs capacity here")
+
+
+def define_flags() -> None:
+    """Flags are defined only when this module runs as a program, so importing it
+    (tests, other tools) never collides with another CLI's flag names."""
+    flags.DEFINE_string("trace", "", "trace file written by jlco.trace.TraceWriter")
+    flags.DEFINE_bool("synthetic", False, "generate an ESS-shaped synthetic trace instead")
+    flags.DEFINE_integer("context", 8192, "synthetic: context tokens")
+    flags.DEFINE_integer("topk", 512, "synthetic: top-k")
+    flags.DEFINE_integer("layers", 61, "synthetic: layers")
+    flags.DEFINE_integer("steps", 48, "synthetic: decode steps")
+    flags.DEFINE_integer("requests", 1, "synthetic: requests")
+    flags.DEFINE_integer("queries_per_step", 1, "synthetic: s_q (1 + MTP drafts)")
+    flags.DEFINE_float("accept", 1.0, "synthetic: mean accepted tokens per step")
+    flags.DEFINE_integer("seed", 0, "synthetic: seed")
+    flags.DEFINE_list("capacities", [], "hot-buffer rows per request per layer (default: "
+                      "1, 1.5, 2, 3, 4 x the largest step set)")
+    flags.DEFINE_list("policies", list(trace.POLICIES), "policies to replay")
+    flags.DEFINE_integer("warmup", 0, "steps replayed but not counted")
+    flags.DEFINE_bool("json", False, "print JSON instead of the table")
+    flags.DEFINE_string("plot", "", "write a PNG of hit rate vs capacity here")
 
 
 def study(tr: trace.Trace, capacities: list[int], policies=trace.POLICIES,
@@ -115,4 +120,5 @@ def main(argv) -> None:
 
 
 if __name__ == "__main__":
+    define_flags()
     app.run(main)

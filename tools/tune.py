@@ -40,32 +40,38 @@ from jlco.config import Config, ConfigError, load_config
 from jlco.engine import Engine
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("config", None, "python config file (configs/*.py)")
-flags.DEFINE_string("checkpoint", "", "HF or jlco Orbax checkpoint (default: random weights)")
-flags.DEFINE_string("output", "", "write the winning config here (python, CONFIG = Config(...))")
-flags.DEFINE_list("prefetch_window", ["64", "256"], "cache.prefetch_window values")
-flags.DEFINE_list("prefetch_threads", [], "cache.prefetch_threads values (default: the config's)")
-flags.DEFINE_list("staging_capacity", ["1x", "2x"], "cache.staging_capacity values: rows, or "
-                  "'Nx' = N x Config.min_staging_capacity")
-flags.DEFINE_list("eviction", ["lru", "fifo"], "cache.eviction values")
-flags.DEFINE_list("fetch_path", ["in_jit", "host_driven"], "cache.fetch_path values")
-flags.DEFINE_list("storage", [], "cache.storage values (default: the config's; 'file' needs "
-                  "cache.storage_path in the config)")
-flags.DEFINE_integer("max_trials", 8, "most candidates compiled and timed (the config's own "
-                     "knobs first; unsupported ones cost nothing and are not counted)")
-flags.DEFINE_integer("repeats", 3, "timed passes of the workload per candidate (the median "
-                     "pass by throughput is reported; a busy machine makes single passes noisy)")
-flags.DEFINE_integer("num_requests", 4, "requests in the workload")
-flags.DEFINE_integer("prompt_len", 64, "prompt tokens per request")
-flags.DEFINE_integer("gen_len", 16, "generated tokens per request")
-flags.DEFINE_integer("batch", 0, "engine.max_batch_size (0 = the config's)")
-flags.DEFINE_integer("max_context_len", 0, "engine.max_context_len (0 = the config's)")
-flags.DEFINE_float("tpot_ms", 0.0, "TPOT limit in ms (0 = none)")
-flags.DEFINE_enum("tpot_stat", "mean", ["mean", "p90"], "which TPOT the limit applies to")
-flags.DEFINE_bool("reference", True, "also run offload off as the token reference")
-flags.DEFINE_string("impl", "", "attention impl (default: 'xla' on CPU, else the config's)")
-flags.DEFINE_integer("seed", 0, "prompt and candidate-order seed")
-flags.DEFINE_bool("json", False, "print JSON instead of the table")
+
+
+def define_flags() -> None:
+    """Flags are defined only when this module runs as a program, so importing it
+    (tests, other tools) never collides with another CLI's flag names."""
+    flags.DEFINE_string("config", None, "python config file (configs/*.py)")
+    flags.DEFINE_string("checkpoint", "", "HF or jlco Orbax checkpoint (default: random weights)")
+    flags.DEFINE_string("output", "", "write the winning config here (python, CONFIG = Config(...))")
+    flags.DEFINE_list("prefetch_window", ["64", "256"], "cache.prefetch_window values")
+    flags.DEFINE_list("prefetch_threads", [], "cache.prefetch_threads values (default: the config's)")
+    flags.DEFINE_list("staging_capacity", ["1x", "2x"], "cache.staging_capacity values: rows, or "
+                      "'Nx' = N x Config.min_staging_capacity")
+    flags.DEFINE_list("eviction", ["lru", "fifo"], "cache.eviction values")
+    flags.DEFINE_list("fetch_path", ["in_jit", "host_driven"], "cache.fetch_path values")
+    flags.DEFINE_list("storage", [], "cache.storage values (default: the config's; 'file' needs "
+                      "cache.storage_path in the config)")
+    flags.DEFINE_integer("max_trials", 8, "most candidates compiled and timed (the config's own "
+                         "knobs first; unsupported ones cost nothing and are not counted)")
+    flags.DEFINE_integer("repeats", 3, "timed passes of the workload per candidate (the median "
+                         "pass by throughput is reported; a busy machine makes single passes noisy)")
+    flags.DEFINE_integer("num_requests", 4, "requests in the workload")
+    flags.DEFINE_integer("prompt_len", 64, "prompt tokens per request")
+    flags.DEFINE_integer("gen_len", 16, "generated tokens per request")
+    flags.DEFINE_integer("batch", 0, "engine.max_batch_size (0 = the config's)")
+    flags.DEFINE_integer("max_context_len", 0, "engine.max_context_len (0 = the config's)")
+    flags.DEFINE_float("tpot_ms", 0.0, "TPOT limit in ms (0 = none)")
+    flags.DEFINE_enum("tpot_stat", "mean", ["mean", "p90"], "which TPOT the limit applies to")
+    flags.DEFINE_bool("reference", True, "also run offload off as the token reference")
+    flags.DEFINE_string("impl", "", "attention impl (default: 'xla' on CPU, else the config's)")
+    flags.DEFINE_integer("seed", 0, "prompt and candidate-order seed")
+    flags.DEFINE_bool("json", False, "print JSON instead of the table")
+
 
 KNOBS = ("prefetch_window", "prefetch_threads", "staging_capacity", "eviction", "fetch_path",
          "storage")
@@ -383,4 +389,5 @@ def _doc(report: dict, win: dict) -> str:
 
 
 if __name__ == "__main__":
+    define_flags()
     app.run(main)
