@@ -40,25 +40,28 @@ from jlco.engine import Engine
 from jlco.model import DeepseekV32
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("config", "configs/bench_small.py", "model/cache config to start from")
-flags.DEFINE_list("contexts", ["32768", "131072"], "context lengths (tokens per request)")
-flags.DEFINE_integer("batch", 0, "batch for the same-batch comparison (0 = baseline's "
-                     "largest batch under --device_budget_gb)")
-flags.DEFINE_integer("steps", 8, "timed decode steps per run (median reported)")
-flags.DEFINE_integer("warmup", 3, "untimed steps first (compile, hot-buffer fill)")
-flags.DEFINE_integer("layers", 0, "override model.num_hidden_layers (0 = config)")
-flags.DEFINE_integer("topk", 0, "override model.index_topk (0 = config)")
-flags.DEFINE_integer("staging", 0, "hot-buffer rows per request per layer (0 = 2 x topk)")
-flags.DEFINE_float("device_budget_gb", 0.85, "device memory budget for the max-batch runs")
-flags.DEFINE_float("embed_common", 0.9, "shared fraction of every token embedding (query "
-                   "locality; 0 = unrelated consecutive queries)")
-flags.DEFINE_integer("max_batch_cap", 256, "never run a batch above this")
-flags.DEFINE_float("ram_fraction", 0.7, "cap batches so a run needs at most this fraction "
-                   "of MemAvailable")
-flags.DEFINE_enum("impl", "xla", ["xla", "auto", "pallas"], "attention/indexer impl")
-flags.DEFINE_integer("seed", 0, "model and context seed")
-flags.DEFINE_string("out", "bench_decode.json", "JSON output path")
-flags.DEFINE_string("plot", "", "PNG plot path ('' = beside --out, 'none' = no plot)")
+def define_flags() -> None:
+    """Flags exist only when this runs as a program (importing tools side by side must
+    not collide)."""
+    flags.DEFINE_string("config", "configs/bench_small.py", "model/cache config to start from")
+    flags.DEFINE_list("contexts", ["32768", "131072"], "context lengths (tokens per request)")
+    flags.DEFINE_integer("batch", 0, "batch for the same-batch comparison (0 = baseline's "
+                         "largest batch under --device_budget_gb)")
+    flags.DEFINE_integer("steps", 8, "timed decode steps per run (median reported)")
+    flags.DEFINE_integer("warmup", 3, "untimed steps first (compile, hot-buffer fill)")
+    flags.DEFINE_integer("layers", 0, "override model.num_hidden_layers (0 = config)")
+    flags.DEFINE_integer("topk", 0, "override model.index_topk (0 = config)")
+    flags.DEFINE_integer("staging", 0, "hot-buffer rows per request per layer (0 = 2 x topk)")
+    flags.DEFINE_float("device_budget_gb", 0.85, "device memory budget for the max-batch runs")
+    flags.DEFINE_float("embed_common", 0.9, "shared fraction of every token embedding (query "
+                       "locality; 0 = unrelated consecutive queries)")
+    flags.DEFINE_integer("max_batch_cap", 256, "never run a batch above this")
+    flags.DEFINE_float("ram_fraction", 0.7, "cap batches so a run needs at most this fraction "
+                       "of MemAvailable")
+    flags.DEFINE_enum("impl", "xla", ["xla", "auto", "pallas"], "attention/indexer impl")
+    flags.DEFINE_integer("seed", 0, "model and context seed")
+    flags.DEFINE_string("out", "bench_decode.json", "JSON output path")
+    flags.DEFINE_string("plot", "", "PNG plot path ('' = beside --out, 'none' = no plot)")
 
 
 def bench_config(base, context: int, gen: int, batch: int, offload: bool):
@@ -298,4 +301,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    define_flags()
     app.run(main)
