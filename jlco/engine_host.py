@@ -41,6 +41,7 @@ import concurrent.futures
 import dataclasses
 import functools
 import time
+import warnings
 import weakref
 
 import jax
@@ -93,6 +94,20 @@ def _merge(graphdef, state):
     return nnx.merge(graphdef, state)
 
 
+class _Spec:
+    """Static jit key of one layer kind: its graphdef and state treedef. One shared
+    instance per kind, hashed and compared by identity: a GraphDef hashes and compares
+    deeply (ms per call), and nnx state flattening is Python too, so phases take flat
+    leaves plus this key and dispatch through jit's C++ path."""
+
+    def __init__(self, graphdef, treedef):
+        self.graphdef, self.treedef = graphdef, treedef
+
+
+def _block(spec: _Spec, leaves):
+    return nnx.merge(spec.graphdef, jax.tree.unflatten(spec.treedef, leaves))
+
+
 # ---- jitted phases (layer and micro-batch start are traced: one compile per layer kind)
 @functools.partial(jax.jit, donate_argnums=2)
 def _begin(graphdef, state, cache: DecodeCache, tokens, active):
@@ -102,12 +117,12 @@ def _begin(graphdef, state, cache: DecodeCache, tokens, active):
     return cache, cache.latent.page_table, x, cos, sin, positions, kernel_lengths
 
 
-@functools.partial(jax.jit, donate_argnums=2)
-def _pre(layer_def, layer_state, cache: DecodeCache, layer, x, cos, sin, positions):
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
+def _pre(spec, leaves, cache: DecodeCache, layer, x, cos, sin, positions):
     """Projections; new latent row → hot buffer (as `offload.latent.write_latent`, whose
     host scatter is the caller's `HostLatentPool.write`); new indexer key → cache.
     → (cache, q, indexer q, indexer weights, host ids [b*s], row bytes [b*s, R])."""
-    latent, q, iq, ik, iw = _merge(layer_def, layer_state).pre(x, cos, sin)
+    latent, q, iq, ik, iw = _block(spec, leaves).pre(x, cos, sin)
     data = kv_cache.encode_rows(latent, cache.kv_format, cache.d_rope)
     lat = cache.latent
     ids = host_row_ids(lat.page_table, positions, lat.page_size)
@@ -122,14 +137,14 @@ def _pre(layer_def, layer_state, cache: DecodeCache, layer, x, cos, sin, positio
     return cache, q, iq, iw, ids.reshape(-1), data.reshape(-1, data.shape[-1])
 
 
-@functools.partial(jax.jit, donate_argnums=2, static_argnames=("nb", "impl"))
-def _select(layer_def, layer_state, cache: DecodeCache, layer, b0, iq, iw, kernel_lengths, *,
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=2, static_argnames=("nb", "impl"))
+def _select(spec, leaves, cache: DecodeCache, layer, b0, iq, iw, kernel_lengths, *,
             nb: int, impl: str):
     """Micro-batch [b0, b0+nb): top-k, resolve (as `offload.latent.latent_for_attention`)
     → (cache, slot ids [nb,s,k], missed host ids [nb,M], flat destinations [nb,M] into
     rows[layer].reshape(b*m, R), −1 = none)."""
     keys, scale = kv_cache.index_keys(cache, layer)
-    topk = _merge(layer_def, layer_state).self_attn.indexer.topk(
+    topk = _block(spec, leaves).self_attn.indexer.topk(
         _slice(iq, b0, nb), _slice(iw, b0, nb), _slice(keys, b0, nb),
         None if scale is None else _slice(scale, b0, nb), _slice(kernel_lengths, b0, nb),
         cache.key_format, impl)
@@ -158,15 +173,15 @@ def _select(layer_def, layer_state, cache: DecodeCache, layer, b0, iq, iw, kerne
     return dataclasses.replace(cache, latent=lat), res.slot_ids, miss_ids, dest
 
 
-@functools.partial(jax.jit, static_argnames=("nb", "kv_format", "impl"))
-def _attend(layer_def, layer_state, rows, layer, b0, q, slot_ids, *, nb: int, kv_format: str,
+@functools.partial(jax.jit, static_argnums=0, static_argnames=("nb", "kv_format", "impl"))
+def _attend(spec, leaves, rows, layer, b0, q, slot_ids, *, nb: int, kv_format: str,
             impl: str):
     """Sparse MLA of micro-batch [b0, b0+nb) over its hot-buffer rows → [nb,s,h,c]."""
     hot = _slice(rows[layer], b0, nb)                                     # [nb, m, R]
     _, m, r = hot.shape
     base = jnp.arange(nb, dtype=jnp.int32)[:, None, None] * m
     ids = jnp.where(slot_ids >= 0, base + slot_ids, -1).astype(jnp.int32)
-    return _merge(layer_def, layer_state).self_attn.attend(
+    return _block(spec, leaves).self_attn.attend(
         _slice(q, b0, nb), hot.reshape(nb * m, r), ids, kv_format, impl)
 
 
@@ -179,9 +194,9 @@ def _scatter(rows, layer, dest, data):
     return rows.at[layer].set(flat.reshape(b, m, r))
 
 
-@jax.jit
-def _post(layer_def, layer_state, x, outs):
-    return _merge(layer_def, layer_state).post(x, jnp.concatenate(outs, axis=0))
+@functools.partial(jax.jit, static_argnums=0)
+def _post(spec, leaves, x, outs):
+    return _block(spec, leaves).post(x, jnp.concatenate(outs, axis=0))
 
 
 def _end_forward(graphdef, state, cache: DecodeCache, x, active, saved_table):
@@ -242,7 +257,13 @@ class HostDriven:
     def __init__(self, cfg: Config, graphdef, state, *, impl: str, num_pages: int, metrics):
         self.cfg, self.impl, self.metrics = cfg, impl, metrics
         model = nnx.merge(graphdef, state)
-        self.layers = [nnx.split(layer) for layer in model.layers]
+        specs: dict = {}
+        self.layers = []
+        for layer in model.layers:
+            graphdef, state = nnx.split(layer)
+            leaves, treedef = jax.tree.flatten(state)
+            spec = specs.setdefault((graphdef, treedef), _Spec(graphdef, treedef))
+            self.layers.append((spec, tuple(leaves)))
         self.page_size = cfg.cache.page_size
         self.pool = HostLatentPool(cache_layers(cfg), num_pages, self.page_size, cfg.row_bytes,
                                    storage=cfg.cache.storage,
@@ -257,7 +278,6 @@ class HostDriven:
         self._install = jax.jit(engine_steps.install, donate_argnums=0)
         self.device = jax.devices()[0]
         if not self.pool.zero_copy():
-            import warnings
             warnings.warn("host_driven fetch: the numpy view of the host pool is not "
                           "zero-copy on this backend; every fetch copies a whole layer")
 

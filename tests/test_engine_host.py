@@ -14,6 +14,7 @@ from jlco import engine_host
 from jlco.config import load_config
 from jlco.engine import Engine, device_cache_bytes
 from jlco.model import DeepseekV32
+from jlco.trace import read_trace
 
 BASE = load_config("configs/tiny.py").replace(
     engine__attention_impl="xla", engine__max_batch_size=2, engine__max_context_len=160)
@@ -32,8 +33,8 @@ def prompts():
     return [list(map(int, rng.integers(0, BASE.model.vocab_size, n))) for n in PROMPT_LENS]
 
 
-def _run(cfg, model, prompts):
-    eng = Engine(cfg, model)
+def _run(cfg, model, prompts, **kw):
+    eng = Engine(cfg, model, **kw)
     reqs = [eng.submit(p, n) for p, n in zip(prompts, NEW_TOKENS)]
     eng.run()
     assert all(r.status == "finished" for r in reqs)
@@ -44,14 +45,21 @@ def _run(cfg, model, prompts):
     return eng, [(r.tokens, r.logprobs) for r in reqs]
 
 
-def test_host_driven_equals_on_device_and_in_jit(model, prompts):
+def test_host_driven_equals_on_device_and_in_jit(model, prompts, tmp_path):
     """pinned_host, LRU, f32 rows, transfers in chunks of 16 rows (several per layer)."""
     cfg = BASE.replace(cache__offload=True, cache__eviction="lru", cache__prefetch_window=16)
     _, base = _run(BASE, model, prompts)
-    jit_eng, in_jit = _run(cfg.replace(cache__fetch_path="in_jit"), model, prompts)
-    eng, got = _run(cfg.replace(cache__fetch_path="host_driven"), model, prompts)
+    jit_eng, in_jit = _run(cfg.replace(cache__fetch_path="in_jit"), model, prompts,
+                           trace_path=str(tmp_path / "jit.trc"))
+    eng, got = _run(cfg.replace(cache__fetch_path="host_driven"), model, prompts,
+                    trace_path=str(tmp_path / "host.trc"))
     assert eng.host is not None and jit_eng.host is None
     assert got == base == in_jit
+    # the per-micro-batch top-k records add up to the in-jit step's
+    a, b = read_trace(tmp_path / "jit.trc"), read_trace(tmp_path / "host.trc")
+    assert sorted(a.keys()) == sorted(b.keys()) and len(a.keys()) > 0
+    for key in a.keys():
+        assert [list(x) for x in a.sets(*key)] == [list(x) for x in b.sets(*key)]
     ours, theirs = (e.metrics.snapshot()["per_layer"] for e in (eng, jit_eng))
     for k in COUNTS:
         assert ours[k] == theirs[k], k
@@ -88,11 +96,13 @@ def test_file_storage_fp8_fifo(model, prompts, tmp_path, monkeypatch):
 
 
 def test_multi_token_forward_equal(model, prompts):
-    """s_q = 2 through Engine.forward: the verification pass of speculative decoding."""
+    """s_q = 2 through Engine.forward (the verification pass of speculative decoding),
+    from unpinned_host memory."""
     cfg = BASE.replace(engine__num_draft_tokens=1)
     off = Engine(cfg, model)
     on = Engine(cfg.replace(cache__offload=True, cache__fetch_path="host_driven",
-                            cache__eviction="fifo"), model)
+                            cache__storage="unpinned_host", cache__eviction="fifo"), model)
+    assert on.host.pool.storage == "unpinned_host"
     for eng in (off, on):
         for p in prompts[2:]:
             eng.submit(p, 8)
