@@ -6,7 +6,9 @@ aborted, and every page and slot they held returns.
 A new request is prefilled alone on a one-request device cache (as a PD-disaggregated
 decode node receives a finished prefill), then installed in its slot: with offload its
 latent rows go to its host pages and the hot buffer is warmed with the top-k of the last
-prefill queries (ESS). Then each `step()` runs one jitted decode step for all slots.
+prefill queries (ESS). Then each `step()` runs one jitted decode step for all slots
+(in-jit fetch), or with `cache.fetch_path="host_driven"` (and storage "file") the
+per-layer phases of `jlco.engine_host` with the host fetching misses in between.
 """
 
 from __future__ import annotations

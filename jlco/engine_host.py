@@ -90,10 +90,6 @@ def _slice(a, b0, nb: int, axis: int = 0):
     return jax.lax.dynamic_slice_in_dim(a, b0, nb, axis)
 
 
-def _merge(graphdef, state):
-    return nnx.merge(graphdef, state)
-
-
 class _Spec:
     """Static jit key of one layer kind: its graphdef and state treedef. One shared
     instance per kind, hashed and compared by identity: a GraphDef hashes and compares
@@ -113,7 +109,7 @@ def _block(spec: _Spec, leaves):
 def _begin(graphdef, state, cache: DecodeCache, tokens, active):
     """engine_steps.forward's prologue: mask empty slots, embed, positions, RoPE."""
     cache = engine_steps._mask_inactive(cache, active)
-    x, cos, sin, positions, kernel_lengths = _merge(graphdef, state).inputs(tokens, cache)
+    x, cos, sin, positions, kernel_lengths = nnx.merge(graphdef, state).inputs(tokens, cache)
     return cache, cache.latent.page_table, x, cos, sin, positions, kernel_lengths
 
 
@@ -201,7 +197,7 @@ def _post(spec, leaves, x, outs):
 
 def _end_forward(graphdef, state, cache: DecodeCache, x, active, saved_table):
     """engine_steps.forward's epilogue: final norm, advance, restore tables, logits."""
-    model = _merge(graphdef, state)
+    model = nnx.merge(graphdef, state)
     h, cache = model.norm(x), kv_cache.advance(cache, jnp.full((x.shape[0],), x.shape[1],
                                                                 jnp.int32))
     lat = cache.latent
