@@ -62,8 +62,12 @@ MIN_ROWS_PER_THREAD = 1024   # below this a split gather costs more than it save
 def resolve_fetch_path(cfg: Config) -> str:
     """The miss-fetch path the engine runs for `cfg`: "in_jit" or "host_driven".
 
-    "auto" is in_jit (measured faster on CPU: one dispatch per step, see BUILD_NOTES)
-    except for storage "file", whose memmap only the host-driven path reads."""
+    "auto" is in_jit except for storage "file", whose memmap only the host-driven path
+    reads. Measured on the 2-core CPU box (configs/tiny.py, f32 rows, warm median step,
+    `python tools/bench_fetch_path.py --batch=2` / `--batch=4`): in_jit 2.5 / 3.6 ms,
+    host_driven 11.0 / 14.9 ms (fetch wait 4.2 / 5.3 ms) — per layer it pays ~10
+    dispatches and 2 syncs that the single jitted step does not. Re-measure on
+    accelerators, where the in-jit gather's padding and host compute cost more."""
     path, storage = cfg.cache.fetch_path, cfg.cache.storage
     if path == "auto":
         return "host_driven" if storage == "file" else "in_jit"
