@@ -115,13 +115,17 @@ def batch_for_budget(cfg: Config, device_bytes: float, *, other_bytes: float = 0
 
 
 class Engine:
-    """Continuous batching over `cfg.engine.max_batch_size` slots (s_q = 1 per step)."""
+    """Continuous batching over `cfg.engine.max_batch_size` slots (s_q = 1 per step, or
+    1 + engine.num_draft_tokens with speculative decoding)."""
 
     def __init__(self, cfg: Config, model, *, impl: str | None = None,
-                 trace_path: str | None = None, warmup_queries: int = WARMUP_QUERIES):
+                 trace_path: str | None = None, warmup_queries: int = WARMUP_QUERIES,
+                 drafter=None):
         """trace_path: record every decode step's top-k positions (request, step, layer,
         ids) to a `jlco.trace` file. warmup_queries: how many final prefill queries'
-        top-k sets warm a new request's hot buffer (0 = none)."""
+        top-k sets warm a new request's hot buffer (0 = none). drafter: a
+        `jlco.speculative.Drafter` (default: the MTP layer) when
+        cfg.engine.num_draft_tokens > 0."""
         if not isinstance(warmup_queries, int) or warmup_queries < 0:
             raise ValueError(f"warmup_queries={warmup_queries!r}: allowed an integer >= 0")
         self.cfg = cfg
@@ -150,6 +154,13 @@ class Engine:
             self.cache = dataclasses.replace(self.cache, record=jnp.full(
                 (cache_layers(cfg), self.batch, 1, cfg.model.index_topk), -1, jnp.int32))
         self._jit_step = self._compile_step()
+        # Speculative decoding (jlco.speculative) replaces step() and the prefill.
+        self.spec = None
+        if cfg.engine.num_draft_tokens:
+            from jlco.speculative import Speculator
+            self.spec = Speculator(self, drafter)
+        elif drafter is not None:
+            raise ValueError("drafter: needs engine.num_draft_tokens >= 1 (it is 0)")
 
     # ---- construction -------------------------------------------------------------
     def _init_cache(self) -> DecodeCache:
@@ -263,15 +274,12 @@ class Engine:
             temp = dataclasses.replace(temp, record=jnp.full(
                 (cache_layers(cfg), 1, w, cfg.model.index_topk), -1, jnp.int32))
         toks = np.asarray([req.prompt], np.int32)
-        model = (self.graphdef, self.state)
-        if w:   # the last w queries run as one chunk so their top-k sets are recorded
-            if n > w:
-                _, _, temp = prefill(model, temp, toks[:, :n - w],
-                                     chunk=cfg.engine.prefill_chunk, impl=self.impl)
-            logits, _, temp = prefill(model, temp, toks[:, n - w:], chunk=w, impl=self.impl)
-        else:
-            logits, _, temp = prefill(model, temp, toks, chunk=cfg.engine.prefill_chunk,
-                                      impl=self.impl)
+        # The last w queries run as one chunk so their top-k sets are recorded.
+        pieces = [(0, n - w, cfg.engine.prefill_chunk), (n - w, n, w)] if w else \
+            [(0, n, cfg.engine.prefill_chunk)]
+        for lo, hi, chunk in pieces:
+            if hi > lo:
+                logits, _, temp = self._prefill_piece(req, temp, toks, lo, hi, chunk)
         page_row = None
         if self.offload:
             page_row = jnp.asarray(self.pages.page_table([req.id], self.cache.latent.page_table
@@ -281,6 +289,15 @@ class Engine:
             self.cache, fetched = self._jit_warm_up(self.cache, jnp.int32(slot), temp.record[:, 0])
             self.warmup_rows += int(fetched)
         self._emit(req, logits[0])
+
+    def _prefill_piece(self, req: Request, temp: DecodeCache, toks, lo: int, hi: int,
+                       chunk: int):
+        """Prompt positions lo..hi-1 into `temp` → (logits at hi-1, hidden, temp);
+        speculative decoding also fills the MTP layer's rows."""
+        if self.spec is not None:
+            return self.spec.prefill(req, temp, toks, lo, hi, chunk)
+        return prefill((self.graphdef, self.state), temp, toks[:, lo:hi], chunk=chunk,
+                       impl=self.impl)
 
     def _emit(self, req: Request, logits) -> None:
         """First token from the prefill logits (same sampler as the decode step)."""
@@ -299,7 +316,10 @@ class Engine:
     # ---- decoding -----------------------------------------------------------------
     def step(self) -> bool:
         """Admit what fits, then decode one token for every running request.
-        Returns False when nothing is left to do."""
+        Returns False when nothing is left to do. With engine.num_draft_tokens > 0,
+        a speculative step (`jlco.speculative`) that may emit up to 1 + drafts."""
+        if self.spec is not None:
+            return self.spec.step()
         self._admit()
         running = [r for r in self.slots if r is not None]
         if not running:
