@@ -18,13 +18,18 @@ from jlco.engine import Engine
 from jlco.model import DeepseekV32
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("config", "configs/tiny.py", "model/cache config to start from")
-flags.DEFINE_integer("batch", 2, "requests decoded together")
-flags.DEFINE_integer("prompt", 150, "prompt tokens of the first request (+10 per request)")
-flags.DEFINE_integer("steps", 40, "timed decode steps (median reported)")
-flags.DEFINE_integer("warmup", 12, "untimed steps first (compiles, hot-buffer fill)")
-flags.DEFINE_enum("impl", "xla", ["xla", "auto", "pallas"], "attention/indexer impl")
-flags.DEFINE_string("out", "", "JSON output path ('' = none)")
+
+
+def define_flags() -> None:
+    """Flags are defined only when this module runs as a program (as the other tools)."""
+    flags.DEFINE_string("config", "configs/tiny.py", "model/cache config to start from")
+    flags.DEFINE_integer("batch", 2, "requests decoded together")
+    flags.DEFINE_integer("prompt", 150, "prompt tokens of the first request (+10 per request)")
+    flags.DEFINE_integer("steps", 40, "timed decode steps (median reported)")
+    flags.DEFINE_integer("warmup", 12, "untimed steps first (compiles, hot-buffer fill)")
+    flags.DEFINE_enum("impl", "xla", ["xla", "auto", "pallas"], "attention/indexer impl")
+    flags.DEFINE_string("out", "", "JSON output path ('' = none)")
+
 
 PATHS = ("in_jit", "host_driven")
 
@@ -74,4 +79,5 @@ def main(_):
 
 
 if __name__ == "__main__":
+    define_flags()
     app.run(main)
