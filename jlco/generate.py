@@ -82,12 +82,10 @@ def main(argv):
     try:
         cfg, model, tok_path = _load(FLAGS.config)
         prompt = _prompt(tok_path)
-        if FLAGS.num_draft_tokens:
-            _fail("--num_draft_tokens: speculative (MTP) decoding is not implemented in the "
-                  "engine yet; the MTP layer loads and drafts via jlco.decode.mtp_step")
         offload = cfg.cache.offload if FLAGS.offload is None else FLAGS.offload
         need = len(prompt) + FLAGS.max_new_tokens
         cfg = cfg.replace(cache__offload=offload, engine__max_batch_size=1,
+                          engine__num_draft_tokens=FLAGS.num_draft_tokens,
                           engine__max_context_len=max(need, cfg.engine.max_context_len),
                           **({"engine__attention_impl": FLAGS.impl} if FLAGS.impl else {}))
         engine = Engine(cfg, model)
@@ -99,6 +97,12 @@ def main(argv):
         print(json.dumps({"tokens": req.tokens, "logprobs": req.logprobs}))
     else:
         print(" ".join(map(str, req.tokens)))
+    if engine.spec is not None:
+        m = engine.spec.metrics
+        print(f"speculative: {FLAGS.num_draft_tokens} drafts/step, {m.steps} steps, "
+              f"drafted {m.drafted}, accepted {m.accepted} (acceptance "
+              f"{m.acceptance_rate:.3f}), {m.mean_accepted_tokens:.2f} tokens/step",
+              file=sys.stderr)
     if engine.metrics is not None:
         snap = engine.metrics.snapshot()["total"]
         print(f"offload: hit rate {snap['hit_rate']:.3f}, H2D {snap['h2d_bytes']} B, "

@@ -276,7 +276,8 @@ class Speculator:
         shard = None
         if eng.offload:   # the host pool must come back in host memory (engine_steps)
             dev = SingleDeviceSharding(jax.devices()[0])
-            shard = jax.tree.flatten((dev,) * 5 + (eng._shardings(eng.cache),))
+            leaves, tree = jax.tree.flatten((dev,) * 5 + (eng._shardings(eng.cache),))
+            shard = (tuple(leaves), tree)
         return _jitted_step(self.drafter, self.n, eng.impl, shard)
 
     def prefill(self, req, temp, prompt, lo, hi, chunk):
