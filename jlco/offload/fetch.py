@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jlco.offload.host_pool import HostLatentPool, host_compute, host_row_ids, is_host_space
-from jlco.offload.hot_buffer import Resolution, scatter_rows
+from jlco.offload.hot_buffer import Resolution
 
 FETCH_PATHS = ("in_jit", "host_driven")
 
@@ -59,34 +59,48 @@ def gather_host_rows(host_layer, row_ids: jax.Array, layer=0) -> jax.Array:
     return jax.device_put(rows, jax.memory.Space.Device)
 
 
-def _flat_misses(rows, page_table, res: Resolution, page_size):
-    """Real misses first: host ids [b*M] and flat hot-buffer destinations [b*M] (b*C = none)."""
-    b, cap = rows.shape[:2]
-    ids = host_row_ids(page_table, res.miss_pos, page_size).reshape(-1)
+def _flat_misses(n_rows, cap, page_table, res: Resolution, page_size, row_offset):
+    """Real misses first, row-major: host ids [b*M] (−1 padded) and flat hot-buffer
+    destinations [b*M] into rows.reshape(n_rows*cap, R) (n_rows*cap = none). Each row's
+    misses are a prefix (j < n_miss), so an exclusive prefix sum of n_miss places them:
+    no sort."""
+    b, m = res.miss_pos.shape
+    ids = host_row_ids(page_table, res.miss_pos, page_size)
     dest = jnp.where(res.victim_slot >= 0,
-                     jnp.arange(b, dtype=jnp.int32)[:, None] * cap + res.victim_slot,
-                     b * cap).reshape(-1)
-    order = jnp.argsort(dest == b * cap, stable=True)
-    return ids[order], dest[order]
+                     (row_offset + jnp.arange(b, dtype=jnp.int32))[:, None] * cap
+                     + res.victim_slot, n_rows * cap)
+    start = jnp.cumsum(res.n_miss) - res.n_miss
+    j = jnp.arange(m, dtype=jnp.int32)[None, :]
+    at = jnp.where(j < res.n_miss[:, None], start[:, None] + j, b * m).reshape(-1)
+    return (jnp.full((b * m,), -1, jnp.int32).at[at].set(ids.reshape(-1), mode="drop"),
+            jnp.full((b * m,), n_rows * cap, jnp.int32).at[at].set(dest.reshape(-1), mode="drop"))
 
 
 def fetch_in_jit(rows: jax.Array, host_layer, page_table: jax.Array, res: Resolution,
-                 page_size: int, chunk_rows: int = 0, layer=0):
-    """Pure, for use inside jit. rows uint8 [b, C, R] → (rows, moved_rows int32).
+                 page_size: int, chunk_rows: int = 0, layer=0, row_offset=0):
+    """Pure, for use inside jit. rows uint8 [n, C, R] → (rows, moved_rows int32), where
+    the resolution's batch entry i owns rows[row_offset + i] (n = b and offset 0 for one
+    layer's hot buffer; an all-layer buffer viewed as [L*b, C, R] with offset layer*b is
+    written in place instead of through a copied layer slice).
 
     chunk_rows 0: one padded gather of b*M rows. chunk_rows > 0: while_loop over chunks
     until sum(n_miss) rows are covered (moved = ceil(total / chunk) * chunk)."""
-    b, cap, rb = rows.shape
-    m = res.miss_pos.shape[1]
+    n_rows, cap, rb = rows.shape
+    b, m = res.miss_pos.shape
     with jax.named_scope("offload_fetch_in_jit"):
+        flat = rows.reshape(n_rows * cap, rb)
         if chunk_rows <= 0:
             ids = host_row_ids(page_table, res.miss_pos, page_size).reshape(-1)
-            data = gather_host_rows(host_layer, ids, layer).reshape(b, m, rb)
-            return scatter_rows(rows, res.victim_slot, data), jnp.int32(b * m)
-        ids, dest = _flat_misses(rows, page_table, res, page_size)
+            data = gather_host_rows(host_layer, ids, layer)
+            dest = jnp.where(res.victim_slot >= 0,
+                             (row_offset + jnp.arange(b, dtype=jnp.int32))[:, None] * cap
+                             + res.victim_slot, n_rows * cap).reshape(-1)
+            return (flat.at[dest].set(data, mode="drop").reshape(n_rows, cap, rb),
+                    jnp.int32(b * m))
+        ids, dest = _flat_misses(n_rows, cap, page_table, res, page_size, row_offset)
         n = -(-(b * m) // chunk_rows) * chunk_rows
         ids = jnp.pad(ids, (0, n - b * m), constant_values=-1)
-        dest = jnp.pad(dest, (0, n - b * m), constant_values=b * cap)
+        dest = jnp.pad(dest, (0, n - b * m), constant_values=n_rows * cap)
         total = res.n_miss.sum(dtype=jnp.int32)
 
         def body(carry):
@@ -97,8 +111,8 @@ def fetch_in_jit(rows: jax.Array, host_layer, page_table: jax.Array, res: Resolu
             return i + 1, flat.at[dl].set(data, mode="drop")
 
         steps, flat = jax.lax.while_loop(lambda c: c[0] * chunk_rows < total, body,
-                                         (jnp.int32(0), rows.reshape(b * cap, rb)))
-        return flat.reshape(b, cap, rb), steps * chunk_rows
+                                         (jnp.int32(0), flat))
+        return flat.reshape(n_rows, cap, rb), steps * chunk_rows
 
 
 @functools.partial(jax.jit, donate_argnums=0)

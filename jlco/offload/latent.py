@@ -49,6 +49,12 @@ class OffloadLatent:
     chunk_rows: int
 
     @property
+    def num_positions(self) -> int:
+        """Context positions a request can hold (its page-table span): bounds the
+        positions `resolve` sees, so it can look them up without sorting."""
+        return self.page_table.shape[1] * self.page_size
+
+    @property
     def shape(self) -> tuple[int, ...]:
         """(L, b, m, R), so shape-reading code treats it like the device latent array."""
         return self.rows.shape
@@ -92,18 +98,22 @@ def latent_for_attention(lat: OffloadLatent, layer: int, positions: jax.Array):
         paged = host_row_ids(lat.page_table, positions, lat.page_size) >= 0
         positions = jnp.where(paged, positions, -1)
         res = resolve(lat.slot_pos[layer], lat.slot_stamp[layer], positions, lat.step,
-                      lat.policy)
-        rows, moved = fetch_in_jit(lat.rows[layer], lat.host[layer], lat.page_table, res,
-                                   lat.page_size, lat.chunk_rows, layer)
+                      lat.policy, num_positions=lat.num_positions)
+        # Fetch into the whole donated buffer (viewed [L*b, m, R]), in place: fetching
+        # into rows[layer] and writing it back copied the layer's hot buffer twice a step.
+        n_layers, b, m, r = lat.rows.shape
+        rows, moved = fetch_in_jit(lat.rows.reshape(n_layers * b, m, r), lat.host[layer],
+                                   lat.page_table, res, lat.page_size, lat.chunk_rows, layer,
+                                   row_offset=layer * b)
+        rows = rows.reshape(n_layers, b, m, r)
         counts = jnp.stack([res.n_lookup.sum(), res.n_hit.sum(), res.n_miss.sum(),
                             jnp.asarray(moved, jnp.int32), jnp.int32(0)])
         lat = dataclasses.replace(
-            lat, rows=lat.rows.at[layer].set(rows),
+            lat, rows=rows,
             slot_pos=lat.slot_pos.at[layer].set(res.slot_pos),
             slot_stamp=lat.slot_stamp.at[layer].set(res.slot_stamp),
             stats=lat.stats.at[layer].add(counts.astype(jnp.int32)))
-        b, m, r = rows.shape
-        return lat, rows.reshape(b * m, r), _flat_ids(res.slot_ids, m)
+        return lat, rows[layer].reshape(b * m, r), _flat_ids(res.slot_ids, m)
 
 
 def next_step(lat: OffloadLatent) -> OffloadLatent:
