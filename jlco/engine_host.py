@@ -156,7 +156,7 @@ def _select(spec, leaves, cache: DecodeCache, layer, b0, iq, iw, kernel_lengths,
     table = _slice(lat.page_table, b0, nb)
     topk = jnp.where(host_row_ids(table, topk, lat.page_size) >= 0, topk, -1)
     res = resolve(_slice(lat.slot_pos[layer], b0, nb), _slice(lat.slot_stamp[layer], b0, nb),
-                  topk, lat.step, lat.policy)
+                  topk, lat.step, lat.policy, num_positions=lat.num_positions)
     counts = jnp.zeros_like(lat.stats[layer]).at[
         jnp.array([STAT_LOOKUPS, STAT_HITS, STAT_MISSES])].set(
         jnp.stack([res.n_lookup.sum(), res.n_hit.sum(), res.n_miss.sum()]).astype(jnp.int32))
@@ -234,7 +234,8 @@ def _warm_up_tables(cache: DecodeCache, slot, record):
         def body(q, carry):
             p, s, n = carry
             stamp_q = lat.step - record.shape[1] + q
-            res = resolve(p[None], s[None], record[layer, q][None, None], stamp_q, lat.policy)
+            res = resolve(p[None], s[None], record[layer, q][None, None], stamp_q, lat.policy,
+                          num_positions=lat.num_positions)
             return res.slot_pos[0], res.slot_stamp[0], n + res.n_miss.sum()
         p, s, fetched = jax.lax.fori_loop(0, record.shape[1], body,
                                           (pos[layer, slot], stamp[layer, slot], fetched))

@@ -103,7 +103,8 @@ def warm_up(cache: DecodeCache, slot, record):
         def body(q, carry):
             r, p, s, n = carry
             stamp_q = lat.step - record.shape[1] + q
-            res = resolve(p[None], s[None], record[layer, q][None, None], stamp_q, lat.policy)
+            res = resolve(p[None], s[None], record[layer, q][None, None], stamp_q, lat.policy,
+                          num_positions=lat.num_positions)
             r, _ = fetch_in_jit(r[None], lat.host[layer], table, res, lat.page_size)
             return r[0], res.slot_pos[0], res.slot_stamp[0], n + res.n_miss.sum()
         r, p, s, fetched = jax.lax.fori_loop(
