@@ -267,7 +267,7 @@ class Speculator:
         self.pend_n: dict[int, int] = {}
         self._fresh: dict[int, jax.Array] = {}
         self._keys: dict[int, np.ndarray] = {}
-        # Set to a list to record (request id, tokens before the step, drafts) per step.
+        # Set to a list to record (request id, slot, tokens before the step, drafts).
         self.draft_log: list | None = None
         self._jit = self._compile()
 
@@ -338,7 +338,8 @@ class Speculator:
             a, left = int(acc[r.slot]), r.max_new_tokens - len(r.tokens)
             self._count(a, min(self.n, left - 1))
             if self.draft_log is not None:
-                self.draft_log.append((r.id, len(r.tokens), [int(t) for t in drafts[r.slot]]))
+                self.draft_log.append((r.id, r.slot, len(r.tokens),
+                                       [int(t) for t in drafts[r.slot]]))
             self.pend_n[r.id] = a + 1
             for j in range(a + 1):
                 eng._append(r, int(tok[r.slot, j]), float(logp[r.slot, j]))
