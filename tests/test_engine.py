@@ -6,45 +6,28 @@ equal an independent replay of its own top-k trace."""
 
 import numpy as np
 import pytest
-from flax import nnx
 
-from jlco.config import ConfigError, load_config
+from jlco.config import ConfigError
 from jlco.engine import Engine, RequestError
-from jlco.model import DeepseekV32
 from jlco.offload.hot_buffer import ReferenceCache
 from jlco.trace import read_trace
 
-BASE = load_config("configs/tiny.py").replace(
-    engine__attention_impl="xla", engine__max_batch_size=2, engine__max_context_len=160)
+from engine_workload import BASE, PROMPT_LENS, make_model, make_prompts, run_workload
+
 TOPK = BASE.model.index_topk   # 32: prompts of 70 and 90 tokens make the indexer select
-# Four requests on two slots: the later two join when the earlier leave (different lengths
-# and generation lengths), so slots and pages are reused mid-run.
-PROMPT_LENS, NEW_TOKENS = (5, 70, 40, 90), (9, 4, 7, 6)
 
 
 @pytest.fixture(scope="module")
 def model():
-    return DeepseekV32(BASE.model, rngs=nnx.Rngs(0))
+    return make_model()
 
 
 @pytest.fixture(scope="module")
 def prompts():
-    rng = np.random.default_rng(1)
-    return [list(map(int, rng.integers(0, BASE.model.vocab_size, n))) for n in PROMPT_LENS]
+    return make_prompts()
 
 
-def _run(cfg, model, prompts, **kw):
-    eng = Engine(cfg, model, **kw)
-    reqs = [eng.submit(p, n) for p, n in zip(prompts, NEW_TOKENS)]
-    eng.run()
-    assert all(r.status == "finished" for r in reqs)
-    eng.check_no_leaks()
-    if eng.pages is not None:
-        assert eng.pages.used_pages == 0
-    assert eng.slots == [None, None]
-    return eng, [(r.tokens, r.logprobs) for r in reqs]
-
-
+_run = run_workload
 _BASELINES = {}
 
 

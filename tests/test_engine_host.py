@@ -8,41 +8,27 @@ import os
 
 import numpy as np
 import pytest
-from flax import nnx
 
 from jlco import engine_host
-from jlco.config import load_config
 from jlco.engine import Engine, device_cache_bytes
-from jlco.model import DeepseekV32
 from jlco.trace import read_trace
 
-BASE = load_config("configs/tiny.py").replace(
-    engine__attention_impl="xla", engine__max_batch_size=2, engine__max_context_len=160)
-PROMPT_LENS, NEW_TOKENS = (5, 70, 40, 90), (9, 4, 7, 6)
+from engine_workload import BASE, make_model, make_prompts, run_workload
+
 COUNTS = ("lookups", "hits", "misses", "h2d_rows", "d2h_rows")
 
 
 @pytest.fixture(scope="module")
 def model():
-    return DeepseekV32(BASE.model, rngs=nnx.Rngs(0))
+    return make_model()
 
 
 @pytest.fixture(scope="module")
 def prompts():
-    rng = np.random.default_rng(1)
-    return [list(map(int, rng.integers(0, BASE.model.vocab_size, n))) for n in PROMPT_LENS]
+    return make_prompts()
 
 
-def _run(cfg, model, prompts, **kw):
-    eng = Engine(cfg, model, **kw)
-    reqs = [eng.submit(p, n) for p, n in zip(prompts, NEW_TOKENS)]
-    eng.run()
-    assert all(r.status == "finished" for r in reqs)
-    eng.check_no_leaks()
-    assert eng.slots == [None, None]
-    if eng.pages is not None:
-        assert eng.pages.used_pages == 0
-    return eng, [(r.tokens, r.logprobs) for r in reqs]
+_run = run_workload
 
 
 def test_host_driven_equals_on_device_and_in_jit(model, prompts, tmp_path):
