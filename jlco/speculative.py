@@ -73,16 +73,16 @@ class Drafter:
     needs_mtp_cache = False
 
     def __eq__(self, other):
-        """Drafters of one class trace the same step (per-instance state lives on the
-        host), so engines share its compiled executable."""
-        return type(self) is type(other)
+        """Only `propose` is traced (per-instance state lives on the host), so drafters
+        with the same `propose` share one compiled step across engines."""
+        return isinstance(other, Drafter) and type(self).propose is type(other).propose
 
     def __hash__(self):
-        return hash(type(self))
+        return hash(type(self).propose)
 
     def host_drafts(self, slots: Sequence, n: int) -> np.ndarray:
-        """slots: the engine's batch slots (Request or None) → int32 [b, n]."""
-        return np.zeros((len(slots), n), np.int32)
+        """slots: the engine's batch slots (Request or None) → int32 [b, n]; −1 = none."""
+        return np.full((len(slots), n), -1, np.int32)
 
     def propose(self, model, cache, inputs: DraftInputs, *, n: int, impl: str):
         """→ (drafts int32 [b, n], cache)."""
@@ -90,7 +90,9 @@ class Drafter:
 
 
 class MTPDrafter(Drafter):
-    """DeepSeek MTP: (h_i, emb(x_{i+1})) → x_{i+2}, chained on its own hidden."""
+    """DeepSeek MTP: (h_i, emb(x_{i+1})) → x_{i+2}, chained on its own hidden. A
+    subclass may override `host_drafts` to replace MTP drafts where it gives one (>= 0),
+    e.g. from a prompt-lookup hint; the chain still runs on the MTP's own drafts."""
     needs_mtp_cache = True
 
     def propose(self, model, cache, inputs: DraftInputs, *, n: int, impl: str):
@@ -110,7 +112,8 @@ class MTPDrafter(Drafter):
             draft = jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)
             hx = x[:, 0]
             drafts.append(draft)
-        return jnp.stack(drafts, axis=1), cache
+        host = inputs.host_drafts
+        return jnp.where(host >= 0, host, jnp.stack(drafts, axis=1)), cache
 
 
 class ListDrafter(Drafter):
@@ -130,7 +133,7 @@ class ListDrafter(Drafter):
         return out
 
     def propose(self, model, cache, inputs, *, n, impl):
-        return inputs.host_drafts, cache
+        return jnp.maximum(inputs.host_drafts, 0), cache
 
 
 @dataclasses.dataclass
@@ -262,8 +265,11 @@ class Speculator:
                 "(or storage 'file'): speculative steps run the in-jit fetch path only")
         self.engine = engine
         self.metrics = SpecMetrics()
-        self.pend_h = jnp.zeros((engine.batch, self.n + 1, cfg.model.hidden_size),
-                                jnp.dtype(cfg.model.dtype))
+        # Committed to the device like the step's outputs: an uncommitted first input
+        # would make the second step compile again.
+        self.pend_h = jax.device_put(
+            jnp.zeros((engine.batch, self.n + 1, cfg.model.hidden_size),
+                      jnp.dtype(cfg.model.dtype)), jax.devices()[0])
         self.pend_n: dict[int, int] = {}
         self._fresh: dict[int, jax.Array] = {}
         self._keys: dict[int, np.ndarray] = {}
@@ -313,6 +319,11 @@ class Speculator:
             temps[s], keys[s], counts[s] = r.temperature, self._keys[r.id], len(r.tokens)
             limit[s] = r.max_new_tokens - len(r.tokens)
         drafts = np.asarray(self.drafter.host_drafts(eng.slots, n), np.int32)
+        vocab = eng.cfg.model.vocab_size
+        if drafts.shape != (b, n) or (drafts < -1).any() or (drafts >= vocab).any():
+            raise ValueError(f"drafter.host_drafts: must be int32 [{b}, {n}] in -1..{vocab - 1} "
+                             f"(-1 = none); got shape {drafts.shape}, range "
+                             f"{drafts.min()}..{drafts.max()}")
         return pend_tok, pend_n, drafts, active, temps, keys, counts, limit
 
     def step(self) -> bool:

@@ -101,7 +101,7 @@ class _MixedDrafter(MTPDrafter):
     """The MTP drafter, except that on every second step of a request (the 2nd, 4th,
     ...) it proposes the true continuation instead: those steps accept all n drafts, so
     the next step's MTP catch-up covers n + 1 positions (random MTP weights alone never
-    get a draft accepted)."""
+    get a draft accepted). Same `propose`, so it shares the MTP drafter's compile."""
 
     def __init__(self, truth):
         self.truth, self.calls = truth, {}
@@ -115,10 +115,6 @@ class _MixedDrafter(MTPDrafter):
                     got = self.truth[req.id][len(req.tokens):len(req.tokens) + n]
                     out[i, :len(got)] = got
         return out
-
-    def propose(self, model, cache, inputs, *, n, impl):
-        mtp, cache = super().propose(model, cache, inputs, n=n, impl=impl)
-        return jnp.where(inputs.host_drafts >= 0, inputs.host_drafts, mtp), cache
 
 
 def _mtp_run(model, prompts):
