@@ -83,8 +83,9 @@ def test_file_storage_fp8_fifo(model, prompts, tmp_path, monkeypatch):
 
 def test_multi_token_forward_equal(model, prompts):
     """s_q = 2 through Engine.forward (the verification pass of speculative decoding),
-    from unpinned_host memory."""
-    cfg = BASE.replace(engine__num_draft_tokens=1)
+    from unpinned_host memory. The hot buffer holds s_q * topk rows; no drafter is needed
+    for the verification pass itself (speculative steps run the in-jit path only)."""
+    cfg = BASE.replace(cache__staging_capacity=2 * BASE.model.index_topk)
     off = Engine(cfg, model)
     on = Engine(cfg.replace(cache__offload=True, cache__fetch_path="host_driven",
                             cache__storage="unpinned_host", cache__eviction="fifo"), model)
