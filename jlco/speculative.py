@@ -67,9 +67,10 @@ class DraftInputs(NamedTuple):
 
 class Drafter:
     """Where draft tokens come from. `propose` runs traced inside the engine's jitted
-    step; `host_drafts` runs on the host before it (for drafters that know tokens
-    the device does not). `needs_mtp_cache`: the engine fills the MTP layer's cache rows
-    during prefill only for drafters that read them."""
+    step and is compiled once per `propose` function, so it must read no per-instance
+    state; `host_drafts` runs on the host before each step (for drafters that know
+    tokens the device does not). `needs_mtp_cache`: the engine fills the MTP layer's
+    cache rows during prefill only for drafters that read them."""
     needs_mtp_cache = False
 
     def __eq__(self, other):
