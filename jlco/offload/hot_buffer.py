@@ -9,6 +9,14 @@ Victim order is (empty first, then oldest stamp, then lowest position): LRU stam
 with its last-use step, FIFO with its insertion step. Ties inside one step go by
 position, so the policy is fully determined and an OrderedDict model (`ReferenceCache`)
 reproduces it hit for hit.
+
+No sorts on the engine's path: XLA:CPU sorts made resolution the costliest part of an
+offloaded step (~60 ms per layer at b 8, C 2048, k 1024). Victims come from an exact
+bitwise k-th-smallest descent over (stamp, position), and the k-th smallest missed
+position goes to the k-th victim in slot order. Given `num_positions` (the context
+bound), hits come from an inverse map position → slot and the distinct misses, in
+order, from a miss bitmap with bit-packed prefix counts; without it a sort-based lookup
+gives the same result.
 """
 
 from __future__ import annotations
