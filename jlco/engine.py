@@ -175,41 +175,42 @@ class Engine:
     def _shardings(self, tree):
         return jax.tree.map(lambda x: x.sharding, tree)
 
+    def _jit(self, fn, donate: int, outs: tuple[str, ...]):
+        """jit `fn`, donating the cache argument. Offloaded, every output's sharding is
+        pinned ("cache" = the cache's own shardings, else the device): the host pool must
+        come back in host memory (left to choose, jit declares device memory and fails)."""
+        if not self.offload:
+            return jax.jit(fn, donate_argnums=donate)
+        dev = SingleDeviceSharding(jax.devices()[0])
+        cache = self._shardings(self.cache)
+        shard = tuple(cache if o == "cache" else dev for o in outs)
+        return jax.jit(fn, donate_argnums=donate,
+                       out_shardings=shard[0] if len(shard) == 1 else shard)
+
     def _compile_step(self):
         if self.host is not None:
             return self.host.decode_step
-        fn = functools.partial(engine_steps.decode_step, impl=self.impl)
-        if not self.offload:
-            return jax.jit(fn, donate_argnums=2)
-        dev = SingleDeviceSharding(jax.devices()[0])
-        return jax.jit(fn, donate_argnums=2, out_shardings=(dev, dev, self._shardings(self.cache)))
+        return self._jit(functools.partial(engine_steps.decode_step, impl=self.impl), 2,
+                         ("dev", "dev", "cache"))
 
     @functools.cached_property
     def _jit_forward(self):
         if self.host is not None:
             return self.host.forward
-        fn = functools.partial(engine_steps.forward, impl=self.impl)
-        if not self.offload:
-            return jax.jit(fn, donate_argnums=2)
-        dev = SingleDeviceSharding(jax.devices()[0])
-        return jax.jit(fn, donate_argnums=2, out_shardings=(dev, self._shardings(self.cache)))
+        return self._jit(functools.partial(engine_steps.forward, impl=self.impl), 2,
+                         ("dev", "cache"))
 
     @functools.cached_property
     def _jit_install(self):
         if self.host is not None:
             return self.host.install
-        if not self.offload:
-            return jax.jit(engine_steps.install, donate_argnums=0)
-        return jax.jit(engine_steps.install, donate_argnums=0,
-                       out_shardings=self._shardings(self.cache))
+        return self._jit(engine_steps.install, 0, ("cache",))
 
     @functools.cached_property
     def _jit_warm_up(self):
         if self.host is not None:
             return self.host.warm_up
-        dev = SingleDeviceSharding(jax.devices()[0])
-        return jax.jit(engine_steps.warm_up, donate_argnums=0,
-                       out_shardings=(self._shardings(self.cache), dev))
+        return self._jit(engine_steps.warm_up, 0, ("cache", "dev"))
 
     # ---- requests -----------------------------------------------------------------
     def submit(self, prompt, max_new_tokens: int, temperature: float = 0.0,

@@ -12,22 +12,12 @@ from jlco.engine import Engine, RequestError
 from jlco.offload.hot_buffer import ReferenceCache
 from jlco.trace import read_trace
 
-from engine_workload import BASE, PROMPT_LENS, make_model, make_prompts, run_workload
+from engine_workload import BASE, PROMPT_LENS
+from engine_workload import run_workload as _run
 
 TOPK = BASE.model.index_topk   # 32: prompts of 70 and 90 tokens make the indexer select
 
 
-@pytest.fixture(scope="module")
-def model():
-    return make_model()
-
-
-@pytest.fixture(scope="module")
-def prompts():
-    return make_prompts()
-
-
-_run = run_workload
 _BASELINES = {}
 
 

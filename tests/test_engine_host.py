@@ -13,22 +13,10 @@ from jlco import engine_host
 from jlco.engine import Engine, device_cache_bytes
 from jlco.trace import read_trace
 
-from engine_workload import BASE, make_model, make_prompts, run_workload
+from engine_workload import BASE
+from engine_workload import run_workload as _run
 
 COUNTS = ("lookups", "hits", "misses", "h2d_rows", "d2h_rows")
-
-
-@pytest.fixture(scope="module")
-def model():
-    return make_model()
-
-
-@pytest.fixture(scope="module")
-def prompts():
-    return make_prompts()
-
-
-_run = run_workload
 
 
 def test_host_driven_equals_on_device_and_in_jit(model, prompts, tmp_path):

@@ -91,7 +91,7 @@ def test_capacity_below_minimum_names_it():
 
 @pytest.mark.parametrize("policy", POLICIES)
 def test_insert_new_then_resolve_hits_and_matches_reference(policy):
-    b, cap, rb, k = 2, 4, 3, 2
+    b, cap, rb = 2, 4, 3
     hb = init_hot_buffer(1, b, cap, rb)
     rows, sp, st = hb.rows[0], hb.slot_pos[0], hb.slot_stamp[0]
     refs = [ReferenceCache(cap, policy) for _ in range(b)]
