@@ -1,6 +1,6 @@
 """DeepSeek-V3.2 decode node at 32K context, latent cache offloaded to pinned host memory.
 
-Per-GPU batch 128 and a 6.4K-row hot buffer follow ESS's 32K operating points (FACTS §3);
+Per-GPU batch 128 and a 6.4K-row hot buffer follow ESS's 32K operating points (docs/facts.md §3);
 MTP with 1 draft token (s_q = 2).
 """
 from jlco.config import CacheConfig, Config, EngineConfig, ModelConfig

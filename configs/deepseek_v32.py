@@ -1,4 +1,4 @@
-"""The real DeepSeek-V3.2 model (FACTS §1) with the on-device cache (offload off)."""
+"""The real DeepSeek-V3.2 model (docs/facts.md §1) with the on-device cache (offload off)."""
 from jlco.config import CacheConfig, Config, EngineConfig, ModelConfig
 
 CONFIG = Config(

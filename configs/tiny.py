@@ -1,7 +1,7 @@
 """A tiny random-weight model for tests and CPU demos (seconds to compile).
 
 16 index heads: with ~4, ReLU zeroes every head for some tokens and top-k ties at 0
-(FACTS §1). index_topk 32 < typical test prompts, so the sparsity really selects.
+(docs/facts.md §1). index_topk 32 < typical test prompts, so the sparsity really selects.
 kv_lora_rank 128 keeps the fp8 row layout (one scale per 128 values) valid.
 """
 from jlco.config import CacheConfig, Config, EngineConfig, ModelConfig, RopeScaling

@@ -17,7 +17,12 @@ import ml_dtypes
 import numpy as np
 from absl import app, flags, logging
 
-from jlco.checkpoint import CheckpointError, check_new_output, load_hf_checkpoint, save_orbax
+from jlco.checkpoint.load import (
+    CheckpointError,
+    check_new_output,
+    load_hf_checkpoint,
+    save_orbax,
+)
 
 _DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float32": np.float32}
 
@@ -39,7 +44,8 @@ def convert(checkpoint: str, output: str, dtype: str = "bfloat16", progress: boo
     """HF dir → Orbax dir; returns the summary that `main` prints."""
     import jax
     from flax import nnx
-    from jlco.weights import model_from_hf
+
+    from jlco.checkpoint.hf_names import model_from_hf
     if dtype not in _DTYPES:
         raise ValueError(f"dtype={dtype!r} is invalid: allowed {', '.join(map(repr, _DTYPES))}")
     check_new_output(output)

@@ -43,14 +43,15 @@ def _fail(msg: str) -> None:
 def _load(cfg_path: str | None):
     """(Config, model, tokenizer path or None)."""
     from flax import nnx
+
     from jlco.config import load_config
-    from jlco.model import DeepseekV32
+    from jlco.model.decoder import DeepseekV32
     base = load_config(cfg_path or _ROOT / "configs" / "tiny.py")
     if FLAGS.checkpoint is None:
         print(f"no --checkpoint: using a small RANDOM-WEIGHT model ({base.name} config, "
               f"seed {FLAGS.seed}); outputs are meaningless tokens", file=sys.stderr)
         return base, DeepseekV32(base.model, rngs=nnx.Rngs(FLAGS.seed)), None
-    from jlco.checkpoint import load_model
+    from jlco.checkpoint.load import load_model
     mcfg, model, info = load_model(FLAGS.checkpoint)
     if FLAGS.num_draft_tokens and not info["has_mtp"]:
         _fail(f"--num_draft_tokens={FLAGS.num_draft_tokens}: MTP is unavailable, checkpoint "
@@ -78,7 +79,7 @@ def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)
     from jlco.config import ConfigError
-    from jlco.engine import Engine, RequestError
+    from jlco.engine.core import Engine, RequestError
     try:
         cfg, model, tok_path = _load(FLAGS.config)
         prompt = _prompt(tok_path)
@@ -97,8 +98,8 @@ def main(argv):
         print(json.dumps({"tokens": req.tokens, "logprobs": req.logprobs}))
     else:
         print(" ".join(map(str, req.tokens)))
-    if engine.spec is not None:
-        m = engine.spec.metrics
+    if engine.spec_metrics is not None:
+        m = engine.spec_metrics
         print(f"speculative: {FLAGS.num_draft_tokens} drafts/step, {m.steps} steps, "
               f"drafted {m.drafted}, accepted {m.accepted} (acceptance "
               f"{m.acceptance_rate:.3f}), {m.mean_accepted_tokens:.2f} tokens/step",
@@ -106,7 +107,7 @@ def main(argv):
     if engine.metrics is not None:
         snap = engine.metrics.snapshot()["total"]
         print(f"offload: hit rate {snap['hit_rate']:.3f}, H2D {snap['h2d_bytes']} B, "
-              f"warm-up rows {engine.warmup_rows}", file=sys.stderr)
+              f"warm-up rows {engine.runner.warmup_rows}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,6 @@
 that defines its own `model` or `prompts` fixture overrides these."""
 
 import pytest
-
 from engine_workload import make_model, make_prompts
 
 

@@ -6,8 +6,8 @@ import numpy as np
 from flax import nnx
 
 from jlco.config import load_config
-from jlco.engine import Engine
-from jlco.model import DeepseekV32
+from jlco.engine.core import Engine
+from jlco.model.decoder import DeepseekV32
 
 BASE = load_config("configs/tiny.py").replace(
     engine__attention_impl="xla", engine__max_batch_size=2, engine__max_context_len=160)
@@ -31,7 +31,7 @@ def run_workload(cfg, model, prompts, new_tokens=NEW_TOKENS, **engine_kw):
     eng.run()
     assert all(r.status == "finished" for r in reqs)
     eng.check_no_leaks()
-    assert eng.slots == [None] * cfg.engine.max_batch_size
-    if eng.pages is not None:
-        assert eng.pages.used_pages == 0
+    assert eng.scheduler.slots == [None] * cfg.engine.max_batch_size
+    if eng.scheduler.pages is not None:
+        assert eng.scheduler.pages.used_pages == 0
     return eng, [(r.tokens, r.logprobs) for r in reqs]

@@ -2,7 +2,7 @@
 
 Builds a fp32 `DeepseekV32ForCausalLM` mirroring a jlco ModelConfig, saves it with
 `save_pretrained` (so tensor names are exactly the checkpoint's: per-expert weights) and
-reads the safetensors back as numpy for `jlco.weights.model_from_hf`.
+reads the safetensors back as numpy for `jlco.checkpoint.hf_names.model_from_hf`.
 """
 
 from __future__ import annotations

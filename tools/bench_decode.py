@@ -1,7 +1,7 @@
 """Decode benchmark: latent cache offloaded (host pool + device hot buffer) vs on device.
 
 Contexts are filled synthetically, as a PD-disaggregated decode node receives them
-(`jlco.synthetic`: latent rows + indexer keys written straight into each request's
+(`jlco.engine.synthetic`: latent rows + indexer keys written straight into each request's
 caches and host pages), then the engine decodes. Per context it measures
   (a) offload vs baseline at the same batch: step-time ratio (target <= 1.10 when the
       hot buffer holds the working set);
@@ -34,10 +34,11 @@ from absl import app, flags
 from flax import nnx
 from tqdm import tqdm
 
-from jlco import plan, synthetic
 from jlco.config import load_config
-from jlco.engine import Engine
-from jlco.model import DeepseekV32
+from jlco.engine import synthetic
+from jlco.engine.core import Engine
+from jlco.model.decoder import DeepseekV32
+from jlco.planning import memory as plan
 
 FLAGS = flags.FLAGS
 def define_flags() -> None:
@@ -81,7 +82,7 @@ def bench_config(base, context: int, gen: int, batch: int, offload: bool):
 def shape_model(model: DeepseekV32, common: float, seed: int) -> None:
     """Give every token embedding a shared component (fraction `common`), so consecutive
     queries correlate and the indexer's top-k sets overlap step to step (see
-    jlco.synthetic's docstring for why keys alone cannot do this)."""
+    jlco.engine.synthetic's docstring for why keys alone cannot do this)."""
     e = model.embed_tokens[...]
     shared = jax.random.normal(jax.random.PRNGKey(seed + 1), (e.shape[1],), jnp.float32)
     shared = shared * jnp.std(e.astype(jnp.float32))
@@ -91,9 +92,9 @@ def shape_model(model: DeepseekV32, common: float, seed: int) -> None:
 
 def device_and_host_bytes(eng: Engine) -> tuple[int, int]:
     """Bytes the engine's cache really holds on device and in host memory."""
-    c = eng.cache
+    c = eng.runner.cache
     dev = c.index_k.nbytes + (0 if c.index_scale is None else c.index_scale.nbytes)
-    if not eng.offload:
+    if not eng.runner.offload:
         return dev + c.latent.nbytes, 0
     lat = c.latent
     dev += lat.rows.nbytes + lat.slot_pos.nbytes + lat.slot_stamp.nbytes + lat.page_table.nbytes
@@ -127,7 +128,7 @@ def run_one(model, cfg, context: int, label: str) -> dict:
     for i in tqdm(range(batch), desc=f"{label}: fill {context} x {batch}", file=sys.stderr,
                   leave=False):
         temp = synthetic.synthetic_cache(cfg, jax.random.PRNGKey(FLAGS.seed * 100003 + i),
-                                         n=context, max_len=eng.max_len)
+                                         n=context, max_len=eng.runner.max_len)
         synthetic.admit_prefilled(eng, temp, gen, first_token=i % cfg.model.vocab_size)
         del temp
     fill_s = time.perf_counter() - t0
@@ -140,12 +141,12 @@ def run_one(model, cfg, context: int, label: str) -> dict:
         if not eng.step():
             raise RuntimeError(f"{label}: engine ran out of work before {steps} timed steps")
     times = np.asarray(eng.step_seconds[n0:])
-    if len(times) != steps or any(r is None for r in eng.slots):
+    if len(times) != steps or any(r is None for r in eng.scheduler.slots):
         raise RuntimeError(f"{label}: a request finished early; raise max_context_len")
     dev_b, host_b = device_and_host_bytes(eng)
     tokens = batch * steps
-    rec = dict(label=label, offload=eng.offload, context=context, batch=batch,
-               staging_rows=cfg.staging_capacity if eng.offload else 0,
+    rec = dict(label=label, offload=eng.runner.offload, context=context, batch=batch,
+               staging_rows=cfg.staging_capacity if eng.runner.offload else 0,
                step_s_median=float(np.median(times)), step_s_mean=float(times.mean()),
                step_s=times.tolist(), first_step_s=float(eng.step_seconds[0]),
                tokens_per_s=float(batch / np.median(times)), fill_s=fill_s,

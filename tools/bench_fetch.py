@@ -17,7 +17,10 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from jlco.offload import HostLatentPool, MissFetcher, PageAllocator, init_hot_buffer, resolve
+from jlco.offload.fetch import MissFetcher
+from jlco.offload.host_pool import HostLatentPool
+from jlco.offload.hot_buffer import init_hot_buffer, resolve
+from jlco.offload.pages import PageAllocator
 
 FLAGS = flags.FLAGS
 

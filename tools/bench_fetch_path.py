@@ -14,8 +14,8 @@ from absl import app, flags
 from flax import nnx
 
 from jlco.config import load_config
-from jlco.engine import Engine
-from jlco.model import DeepseekV32
+from jlco.engine.core import Engine
+from jlco.model.decoder import DeepseekV32
 
 FLAGS = flags.FLAGS
 

@@ -4,7 +4,7 @@ For sparse MLA decode and the lightning indexer, at flag-chosen shapes (defaults
 DeepSeek-V3.2 decode shapes), each implementation is jitted, warmed up and timed as the
 median of --iters runs; the table shows achieved TFLOP/s and GB/s and, where the device is
 in PEAKS, the fraction of its dense bf16 peak and HBM bandwidth. Anchor: FlashMLA reports
-~410 TFLOP/s sparse decode on H800 (FACTS.md section 2); the goal for our kernel is half.
+~410 TFLOP/s sparse decode on H800 (docs/facts.md section 2); the goal for our kernel is half.
 
   python tools/bench_kernels.py --small                 # CPU smoke run, < 1 minute
   python tools/bench_kernels.py --out=/tmp/bench.json   # real shapes on a GPU/TPU

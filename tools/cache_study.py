@@ -1,6 +1,6 @@
 """Replay a top-k trace against LRU, FIFO and Belady's MIN over hot-buffer sizes.
 
-Semantics (`jlco.trace.replay`): per request and layer, step t needs its whole set U_t
+Semantics (`jlco.planning.trace.replay`): per request and layer, step t needs its whole set U_t
 (distinct ids >= 0) at once; every id of U_t is one lookup and hits if resident when the
 step starts; misses are inserted and, over capacity, victims come only from rows outside
 U_t (rows serving the current step are pinned), so capacity >= max |U_t| (>= topk).
@@ -20,7 +20,7 @@ import json
 import numpy as np
 from absl import app, flags
 
-from jlco import trace
+from jlco.planning import trace
 
 FLAGS = flags.FLAGS
 
@@ -28,7 +28,7 @@ FLAGS = flags.FLAGS
 def define_flags() -> None:
     """Flags are defined only when this module runs as a program, so importing it
     (tests, other tools) never collides with another CLI's flag names."""
-    flags.DEFINE_string("trace", "", "trace file written by jlco.trace.TraceWriter")
+    flags.DEFINE_string("trace", "", "trace file written by jlco.planning.trace.TraceWriter")
     flags.DEFINE_bool("synthetic", False, "generate an ESS-shaped synthetic trace instead")
     flags.DEFINE_integer("context", 8192, "synthetic: context tokens")
     flags.DEFINE_integer("topk", 512, "synthetic: top-k")

@@ -1,6 +1,6 @@
 """Write a DeepSeek-style fp8 copy of a HF checkpoint: e4m3 weights + 128×128 block scales.
 
-The real DeepSeek-V3.2 checkpoint ships its linear weights this way (FACTS §1); this tool
+The real DeepSeek-V3.2 checkpoint ships its linear weights this way (docs/facts.md §1); this tool
 makes small ones for tests and demos from any f32/bf16/f16 checkpoint. `--twin` also
 writes the dequantised weights as f32 (same layout, no scales): loading the fp8 copy must
 give exactly the twin's tensors, which separates dequantisation bugs from fp8 rounding.
@@ -18,7 +18,7 @@ from typing import Callable
 
 import numpy as np
 
-from jlco import safetensors_io as st
+from jlco.checkpoint import safetensors_io as st
 
 # Linear weights the official checkpoint stores in fp8. The router gate, the indexer's
 # head weights (`weights_proj`, kept in f32 by transformers), norms, embeddings and output

@@ -1,7 +1,7 @@
 """Tune the offload knobs on a short real-engine workload and write the winning config.
 
 Every candidate (prefetch_window x prefetch_threads x staging_capacity x eviction x
-fetch_path x storage) builds a real `jlco.engine.Engine` on the same model, compiles it
+fetch_path x storage) builds a real `jlco.engine.core.Engine` on the same model, compiles it
 with a short warm-up run of the workload (not timed), then decodes the workload
 `--repeats` times and reports the median pass by throughput:
 
@@ -37,7 +37,7 @@ import numpy as np
 from absl import app, flags
 
 from jlco.config import Config, ConfigError, load_config
-from jlco.engine import Engine
+from jlco.engine.core import Engine
 
 FLAGS = flags.FLAGS
 
@@ -129,7 +129,7 @@ def _decode_pass(eng: Engine, work: Workload) -> dict:
     reqs = [eng.submit(p, work.gen_len) for p in work.prompts]
     walls, tokens = [], 0
     while True:
-        admitting = bool(eng.waiting)
+        admitting = bool(eng.scheduler.waiting)
         before = sum(len(r.tokens) for r in reqs)
         t = time.perf_counter()
         if not eng.step():
@@ -295,11 +295,12 @@ def _load(cfg: Config):
     """(cfg, model): random weights from cfg.model, or the checkpoint's model, whose own
     model config then replaces cfg.model (cache/engine sections stay the config's)."""
     if FLAGS.checkpoint:
-        from jlco.checkpoint import load_model
+        from jlco.checkpoint.load import load_model
         mcfg, model, _ = load_model(FLAGS.checkpoint)
         return cfg.replace(model=mcfg), model
     from flax import nnx
-    from jlco.model import DeepseekV32
+
+    from jlco.model.decoder import DeepseekV32
     return cfg, DeepseekV32(cfg.model, rngs=nnx.Rngs(cfg.engine.seed))
 
 

@@ -25,7 +25,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jlco.offload.host_pool import HostLatentPool, host_compute, host_row_ids, is_host_space
+from jlco.offload.host_pool import (
+    HostLatentPool,
+    host_compute,
+    host_row_ids,
+    is_host_space,
+)
 from jlco.offload.hot_buffer import Resolution
 
 FETCH_PATHS = ("in_jit", "host_driven")

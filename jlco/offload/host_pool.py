@@ -2,7 +2,7 @@
 
 Rows are uint8 `[rows, row_bytes]` (fp8 656-B FlashMLA rows, or bf16/f32 rows bit-cast):
 XLA:CPU updates a donated integer array in place in O(row) but rewrites a whole bf16/fp8
-array (FACTS §5), and bytes are copied, never re-quantised, so offload equals offload-off
+array (docs/facts.md §5), and bytes are copied, never re-quantised, so offload equals offload-off
 exactly. Storage is the `pinned_host` memory kind (default), `unpinned_host`, or "file"
 (an np.memmap, for pools larger than RAM; written by a background thread).
 

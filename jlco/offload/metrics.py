@@ -1,4 +1,4 @@
-"""Offload metrics per layer: the numbers users ask peers for (FACTS §4) — lookups,
+"""Offload metrics per layer: the numbers users ask peers for (docs/facts.md §4) — lookups,
 hits, misses, bytes each way (real rows and rows moved incl. padding, so a padded fetch
 path cannot hide its cost), time spent waiting on fetches, and prefetch usefulness."""
 

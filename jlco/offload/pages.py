@@ -1,6 +1,6 @@
 """Host page allocator: every page of the host latent pool has exactly one owner.
 
-Pages are the unit of host-pool ownership (ARCHITECTURE "Memory and admission"): a
+Pages are the unit of host-pool ownership (docs/architecture.md "Memory and admission"): a
 request owns the pages that hold its latent rows, finishing or aborting it returns all
 of them, and a leak is a bug `check()` catches. Host row id = page * page_size + offset.
 """

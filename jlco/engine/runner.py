@@ -1,0 +1,309 @@
+"""The model runner: owns the model state, the batch cache (device, or host pool + device
+hot buffer when offloaded), the jitted steps and the offload counters; executes what the
+scheduler planned and returns tokens and log-probs. No request bookkeeping: it reads a
+request's prompt, slot, sampling fields and tokens so far, and never changes them.
+
+A new request is prefilled alone on a one-request device cache (as a PD-disaggregated
+decode node receives a finished prefill), then installed in its slot: with offload its
+latent rows go to its host pages and the hot buffer is warmed with the top-k of the last
+prefill queries (ESS, the offload design this engine follows). Then `decode` runs one
+jitted step for all slots (in-jit fetch), or with `cache.fetch_path="host_driven"` (and
+storage "file") the per-layer phases of `jlco.engine.host_driven` with the host fetching
+misses in between; with `engine.num_draft_tokens` > 0 the speculative step of
+`jlco.engine.speculative`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import SingleDeviceSharding
+
+from jlco.config import Config
+from jlco.engine import host_driven, steps
+from jlco.engine.scheduler import Request
+from jlco.model.decode import prefill
+from jlco.model.kv_cache import DecodeCache, cache_layers, init_cache
+from jlco.offload.latent import STAT_NAMES, OffloadLatent
+from jlco.offload.metrics import OffloadMetrics
+from jlco.offload.pages import PageAllocator
+
+WARMUP_QUERIES = 32   # ESS: top-k of the last 32 prefill query positions
+
+
+def _chunk_rows(cfg: Config) -> int:
+    """In-jit fetch moves misses in chunks of this many rows (0 = one padded gather of
+    every possible miss); the prefetch window bounds it."""
+    return max(0, min(cfg.cache.prefetch_window, cfg.staging_capacity))
+
+
+def host_pages(cfg: Config) -> PageAllocator | None:
+    """The host page allocator of an offloaded engine (None with offload off): enough
+    pages for every slot at engine.max_context_len."""
+    if not cfg.cache.offload:
+        return None
+    page = cfg.cache.page_size
+    pages_per_req = -(-cfg.engine.max_context_len // page)
+    return PageAllocator(cfg.engine.max_batch_size * pages_per_req, page)
+
+
+def allocate_cache(cfg: Config) -> tuple[DecodeCache, PageAllocator | None]:
+    """The engine's batch cache for `cfg.engine.max_batch_size` slots and, offloaded, its
+    host page allocator. Offloaded, the latent cache is a host pool per layer (in
+    `cfg.cache.storage` memory) behind a device hot buffer; `device_cache_bytes` counts
+    exactly this allocation."""
+    pages = host_pages(cfg)
+    if pages is None:
+        return init_cache(cfg), None
+    # Host-driven: the pool is host_driven's HostLatentPool, outside the jitted cache.
+    host_driven_path = host_driven.resolve_fetch_path(cfg) == "host_driven"
+    batch, page = cfg.engine.max_batch_size, cfg.cache.page_size
+    pages_per_req = pages.num_pages // batch
+    n_layers, cap, rb = cache_layers(cfg), cfg.staging_capacity, cfg.row_bytes
+    if not host_driven_path:
+        host = SingleDeviceSharding(jax.devices()[0], memory_kind=cfg.cache.storage)
+        zeros = jax.jit(lambda: jnp.zeros((pages.num_pages * page, rb), jnp.uint8),
+                        out_shardings=host)
+    lat = OffloadLatent(
+        rows=jnp.zeros((n_layers, batch, cap, rb), jnp.uint8),
+        slot_pos=jnp.full((n_layers, batch, cap), -1, jnp.int32),
+        slot_stamp=jnp.full((n_layers, batch, cap), -1, jnp.int32),
+        host=() if host_driven_path else tuple(zeros() for _ in range(n_layers)),
+        page_table=jnp.full((batch, pages_per_req), -1, jnp.int32),
+        step=jnp.int32(0), stats=jnp.zeros((n_layers, len(STAT_NAMES)), jnp.int32),
+        policy=cfg.cache.eviction, page_size=page, chunk_rows=_chunk_rows(cfg))
+    return init_cache(cfg, latent=lat), pages
+
+
+def device_cache_bytes(cfg: Config, batch: int) -> int:
+    """Device bytes of the cache `allocate_cache` makes for `batch` slots, from its
+    abstract shapes (nothing is allocated, so real-model configs are cheap): every leaf
+    but the offloaded host pool (`OffloadLatent.host`) lives in device memory."""
+    cfg = cfg.replace(engine__max_batch_size=batch)
+    shapes = jax.eval_shape(lambda: allocate_cache(cfg)[0])
+    host = shapes.latent.host if isinstance(shapes.latent, OffloadLatent) else ()
+    return _nbytes(shapes) - _nbytes(host)
+
+
+def _nbytes(tree) -> int:
+    return sum(x.size * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+
+
+def batch_for_budget(cfg: Config, device_bytes: float, *, other_bytes: float = 0.0,
+                     other_bytes_per_slot: float = 0.0) -> int:
+    """Largest batch whose engine cache fits in `device_bytes` beside `other_bytes`
+    (weights, runtime reserve) and `other_bytes_per_slot` (activations), by the engine's
+    own allocation: bytes per slot and batch-independent bytes (offload counters) from
+    `device_cache_bytes` at batch 1 and 2. Not capped by engine.max_batch_size."""
+    one, two = device_cache_bytes(cfg, 1), device_cache_bytes(cfg, 2)
+    per_slot, fixed = two - one, 2 * one - two
+    return max(0, int((device_bytes - other_bytes - fixed) // (per_slot + other_bytes_per_slot)))
+
+
+def sample_key(seed: int, count: int) -> np.ndarray:
+    """The sampling key of a request's token number `count` (0 = the prefill's token):
+    one stream per request, independent of batch and slot."""
+    return np.asarray(jax.random.fold_in(jax.random.PRNGKey(seed), count))
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeOutput:
+    """One decode step: per decoded request (in the order given), the tokens it emitted
+    (1, or up to 1 + drafts with speculative decoding) and their log-probs."""
+    tokens: tuple[tuple[int, ...], ...]
+    logprobs: tuple[tuple[float, ...], ...]
+    seconds: float
+
+
+class ModelRunner:
+    """Device side of the engine for `cfg.engine.max_batch_size` slots."""
+
+    def __init__(self, cfg: Config, model, *, impl: str | None = None,
+                 trace_path: str | None = None, warmup_queries: int = WARMUP_QUERIES,
+                 drafter=None):
+        """trace_path: record every decode step's top-k positions (request, step, layer,
+        ids) to a `jlco.planning.trace` file. warmup_queries: how many final prefill
+        queries' top-k sets warm a new request's hot buffer (0 = none). drafter: a
+        `jlco.engine.speculative.Drafter` (default: the MTP layer) when
+        cfg.engine.num_draft_tokens > 0."""
+        if isinstance(warmup_queries, bool) or not isinstance(warmup_queries, int) \
+                or warmup_queries < 0:
+            raise ValueError(f"warmup_queries={warmup_queries!r}: allowed an integer >= 0")
+        self.cfg = cfg
+        self.warmup_queries = warmup_queries
+        self.impl = impl or cfg.engine.attention_impl
+        self.graphdef, self.state = nnx.split(model)
+        self.batch = cfg.engine.max_batch_size
+        self.max_len = cfg.engine.max_context_len
+        self.offload = cfg.cache.offload
+        self.metrics = OffloadMetrics(cache_layers(cfg), cfg.row_bytes) if self.offload else None
+        self.warmup_rows = 0   # rows fetched by admission warm-ups (all layers)
+        self.cache, self.pages = allocate_cache(cfg)
+        self.host = None       # the host-driven fetch path, when cfg selects it
+        if self.offload and host_driven.resolve_fetch_path(cfg) == "host_driven":
+            self.host = host_driven.HostDriven(cfg, self.graphdef, self.state, impl=self.impl,
+                                               num_pages=self.pages.num_pages,
+                                               metrics=self.metrics)
+        self.trace = None
+        if trace_path is not None:
+            from jlco.planning.trace import TraceWriter
+            self.trace = TraceWriter(trace_path, {"source": "engine", "config": cfg.name,
+                                                  "topk": cfg.model.index_topk,
+                                                  "num_layers": cache_layers(cfg)})
+            self.cache = dataclasses.replace(self.cache, record=jnp.full(
+                (cache_layers(cfg), self.batch, 1, cfg.model.index_topk), -1, jnp.int32))
+        self._jit_step = self.host.decode_step if self.host is not None else self.jit(
+            functools.partial(steps.decode_step, impl=self.impl), 2, ("dev", "dev", "cache"))
+        # Speculative decoding replaces decode() and the prefill pieces.
+        self.spec = None
+        if cfg.engine.num_draft_tokens:
+            from jlco.engine.speculative import Speculator
+            self.spec = Speculator(self, drafter)
+        elif drafter is not None:
+            raise ValueError("drafter: needs engine.num_draft_tokens >= 1 (it is 0)")
+
+    @property
+    def pages_per_request(self) -> int:
+        """Width of a slot's page-table row (offload only)."""
+        return self.cache.latent.page_table.shape[1]
+
+    # ---- jitted functions ---------------------------------------------------------
+    def cache_shardings(self):
+        return jax.tree.map(lambda x: x.sharding, self.cache)
+
+    def jit(self, fn, donate: int, outs: tuple[str, ...]):
+        """jit `fn`, donating the cache argument. Offloaded, every output's sharding is
+        pinned ("cache" = the cache's own shardings, else the device): the host pool must
+        come back in host memory (left to choose, jit declares device memory and fails)."""
+        if not self.offload:
+            return jax.jit(fn, donate_argnums=donate)
+        dev = SingleDeviceSharding(jax.devices()[0])
+        cache = self.cache_shardings()
+        shard = tuple(cache if o == "cache" else dev for o in outs)
+        return jax.jit(fn, donate_argnums=donate,
+                       out_shardings=shard[0] if len(shard) == 1 else shard)
+
+    @functools.cached_property
+    def _jit_forward(self):
+        if self.host is not None:
+            return self.host.forward
+        return self.jit(functools.partial(steps.forward, impl=self.impl), 2, ("dev", "cache"))
+
+    @functools.cached_property
+    def _jit_install(self):
+        if self.host is not None:
+            return self.host.install
+        return self.jit(steps.install, 0, ("cache",))
+
+    @functools.cached_property
+    def _jit_warm_up(self):
+        if self.host is not None:
+            return self.host.warm_up
+        return self.jit(steps.warm_up, 0, ("cache", "dev"))
+
+    # ---- prefill ------------------------------------------------------------------
+    def prefill(self, req: Request, page_row: np.ndarray | None) -> tuple[int, float]:
+        """Prefill `req.prompt` alone, install it in batch slot `req.slot` (offloaded:
+        into the host pages `page_row`, then warm its hot buffer) and sample its first
+        token → (token, log-prob)."""
+        cfg, n, slot = self.cfg, len(req.prompt), req.slot
+        temp = init_cache(cfg, batch=1, max_len=self.max_len)
+        # The same prefill split with offload on and off: chunk shapes change float
+        # reduction order, and offload on must equal offload off bit for bit.
+        w = min(self.warmup_queries, n)
+        if w and self.offload:
+            temp = dataclasses.replace(temp, record=jnp.full(
+                (cache_layers(cfg), 1, w, cfg.model.index_topk), -1, jnp.int32))
+        toks = np.asarray([req.prompt], np.int32)
+        # The last w queries run as one chunk so their top-k sets are recorded.
+        pieces = [(0, n - w, cfg.engine.prefill_chunk), (n - w, n, w)] if w else \
+            [(0, n, cfg.engine.prefill_chunk)]
+        for lo, hi, chunk in pieces:
+            if hi > lo:
+                logits, _, temp = self._prefill_piece(req, temp, toks, lo, hi, chunk)
+        self.install(temp, slot, n, page_row)
+        if w and self.offload:
+            self.cache, fetched = self._jit_warm_up(self.cache, jnp.int32(slot), temp.record[:, 0])
+            self.warmup_rows += int(fetched)
+        tok, logp = steps.sample_rows(logits[None, 0].astype(jnp.float32),
+                                      jnp.asarray([req.temperature], jnp.float32),
+                                      sample_key(req.seed, 0)[None])
+        return int(tok[0]), float(logp[0])
+
+    def install(self, temp: DecodeCache, slot: int, n: int, page_row) -> None:
+        """A finished one-request prefill `temp` (n positions) into batch slot `slot`,
+        its latent rows into the host pages `page_row` when offloaded."""
+        page_row = None if page_row is None else jnp.asarray(page_row, jnp.int32)
+        self.cache = self._jit_install(self.cache, temp, jnp.int32(slot), jnp.int32(n), page_row)
+
+    def _prefill_piece(self, req: Request, temp: DecodeCache, toks, lo: int, hi: int,
+                       chunk: int):
+        """Prompt positions lo..hi-1 into `temp` → (logits at hi-1, hidden, temp);
+        speculative decoding also fills the MTP layer's rows."""
+        if self.spec is not None:
+            return self.spec.prefill(req, temp, toks, lo, hi, chunk)
+        return prefill((self.graphdef, self.state), temp, toks[:, lo:hi], chunk=chunk,
+                       impl=self.impl)
+
+    # ---- decode -------------------------------------------------------------------
+    def decode(self, running: Sequence[Request]) -> DecodeOutput:
+        """One decode step for the running requests (every other slot idles)."""
+        if self.spec is not None:
+            return DecodeOutput(*self.spec.step(running))
+        tokens = np.zeros((self.batch, 1), np.int32)
+        active = np.zeros((self.batch,), bool)
+        temps = np.zeros((self.batch,), np.float32)
+        keys = np.zeros((self.batch, 2), np.uint32)
+        for r in running:
+            tokens[r.slot, 0], active[r.slot], temps[r.slot] = r.tokens[-1], True, r.temperature
+            keys[r.slot] = sample_key(r.seed, len(r.tokens))
+        t0 = time.perf_counter()
+        tok, logp, self.cache = self._jit_step(self.graphdef, self.state, self.cache,
+                                               tokens, active, temps, keys)
+        stats = self.cache.latent.stats if self.offload else None
+        tok, logp, stats, rec = jax.device_get((tok, logp, stats, self.cache.record))  # one sync
+        seconds = time.perf_counter() - t0
+        if stats is not None:
+            self.record_stats(stats)
+        if self.trace is not None:
+            for r in running:
+                for layer in range(rec.shape[0]):
+                    ids = rec[layer, r.slot, 0]
+                    self.trace.record(r.id, len(r.tokens) - 1, layer, ids[ids >= 0])
+        return DecodeOutput(tuple((int(tok[r.slot]),) for r in running),
+                            tuple((float(logp[r.slot]),) for r in running), seconds)
+
+    def record_stats(self, stats: np.ndarray) -> None:
+        for layer, row in enumerate(stats):
+            c = dict(zip(STAT_NAMES, (int(v) for v in row)))
+            self.metrics.update(layer, lookups=c["lookups"], hits=c["hits"], misses=c["misses"],
+                                h2d_rows=c["misses"], h2d_moved_rows=c["h2d_moved_rows"],
+                                d2h_rows=c["d2h_rows"])
+
+    def forward(self, tokens, active) -> np.ndarray:
+        """Append tokens [batch, s] to the active slots' caches → logits [batch, s, V]:
+        the verification pass of speculative decoding (s = 1 + drafts)."""
+        logits, self.cache = self._jit_forward(self.graphdef, self.state, self.cache,
+                                               np.asarray(tokens, np.int32),
+                                               np.asarray(active, bool))
+        return np.asarray(logits)
+
+    def forget(self, request_id: int) -> None:
+        """A request left its slot (finished or aborted): drop what the runner keeps for
+        it (speculative decoding's pending hidden states and keys)."""
+        if self.spec is not None:
+            self.spec.forget(request_id)
+
+    def close(self) -> None:
+        """Close the trace file and the host-driven pool (its file, if any)."""
+        if self.trace is not None:
+            self.trace.close()
+        if self.host is not None:
+            self.host.close()

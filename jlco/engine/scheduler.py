@@ -1,0 +1,211 @@
+"""Request bookkeeping for the engine, in plain Python (no jax): requests and their
+states, the waiting queue, batch-slot assignment, host-page reservation and release,
+admission, abort, finish and stop conditions.
+
+Each engine step asks `Scheduler.schedule()` what to run: the requests admitted this step
+(each with its slot, and its host pages reserved when the latent cache is offloaded), to
+be prefilled, and the requests to decode. The runner executes that plan and the engine
+hands every produced token back through `append`, which applies the stop conditions
+(max_new_tokens, stop token ids) and frees slot and pages of a finished request. Nothing
+here touches a device, so it is tested without a model (tests/engine/test_scheduler.py).
+
+Admission is first come, first served: the head of the queue waits until a slot is free
+and, offloaded, until the host pool has the pages for its whole context
+(prompt + max_new_tokens); requests behind it wait too (no overtaking, so a long request
+is never starved by short ones).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import Iterable, Sequence
+
+from jlco.offload.pages import PageAllocator
+
+STATUSES = ("waiting", "running", "finished", "aborted")
+FINISH_REASONS = ("length", "stop", "abort")
+
+
+class RequestError(ValueError):
+    """A request field is invalid; the message names it and what is allowed."""
+
+
+@dataclasses.dataclass
+class Request:
+    id: int
+    prompt: list[int]
+    max_new_tokens: int
+    temperature: float = 0.0
+    seed: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    status: str = "waiting"          # one of STATUSES
+    slot: int | None = None
+    finish_reason: str | None = None  # one of FINISH_REASONS once done
+
+    @property
+    def done(self) -> bool:
+        return self.status in ("finished", "aborted")
+
+    @property
+    def context_len(self) -> int:
+        """Positions the request may occupy: prompt + every token it may generate."""
+        return len(self.prompt) + self.max_new_tokens
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerOutput:
+    """One step's plan. `prefills`: requests admitted this step, each with `slot` set
+    (prefilled whole, in order; a prefill emits the first token). `decodes`: the requests
+    to decode one step, by slot; a request prefilled this step is among them unless its
+    first token already finished it (the engine skips those that are done by then)."""
+    prefills: tuple[Request, ...]
+    decodes: tuple[Request, ...]
+
+    @property
+    def empty(self) -> bool:
+        return not self.prefills and not self.decodes
+
+
+def _is_token(t, vocab: int) -> bool:
+    return isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
+
+
+class Scheduler:
+    """Slots and pages of one engine. `pages` is the offloaded host pool's allocator
+    (None with the latent cache on device: then only slots limit admission)."""
+
+    def __init__(self, num_slots: int, max_context_len: int, vocab_size: int,
+                 pages: PageAllocator | None = None):
+        if not isinstance(num_slots, int) or num_slots < 1:
+            raise ValueError(f"num_slots={num_slots!r}: allowed an integer >= 1")
+        self.max_context_len = max_context_len
+        self.vocab_size = vocab_size
+        self.pages = pages
+        self.slots: list[Request | None] = [None] * num_slots
+        self.waiting: list[Request] = []
+        self.requests: dict[int, Request] = {}
+        self._ids = itertools.count()
+
+    # ---- requests -----------------------------------------------------------------
+    def add(self, prompt: Sequence[int], max_new_tokens: int, temperature: float = 0.0,
+            seed: int = 0, stop_token_ids: Iterable[int] = ()) -> Request:
+        """Validate and queue a request; a bad field raises RequestError naming it."""
+        vocab = self.vocab_size
+        prompt = [int(t) if hasattr(t, "__index__") and not isinstance(t, bool) else t
+                  for t in prompt]
+        if not prompt or not all(_is_token(t, vocab) for t in prompt):
+            raise RequestError(f"prompt: must be a non-empty list of token ids in 0..{vocab - 1}")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) \
+                or max_new_tokens < 1:
+            raise RequestError(f"max_new_tokens={max_new_tokens!r}: allowed an integer >= 1")
+        if len(prompt) + max_new_tokens > self.max_context_len:
+            raise RequestError(f"len(prompt) + max_new_tokens = {len(prompt) + max_new_tokens} "
+                               f"exceeds engine.max_context_len={self.max_context_len}")
+        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) \
+                or not 0.0 <= temperature <= 100.0:
+            raise RequestError(f"temperature={temperature!r}: allowed 0 (greedy) .. 100")
+        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2 ** 32:
+            raise RequestError(f"seed={seed!r}: allowed an integer in 0..2**32-1")
+        stops = tuple(int(t) if hasattr(t, "__index__") and not isinstance(t, bool) else t
+                      for t in stop_token_ids)
+        if not all(_is_token(t, vocab) for t in stops):
+            raise RequestError(f"stop_token_ids={list(stops)!r}: allowed token ids in "
+                               f"0..{vocab - 1}")
+        req = Request(next(self._ids), prompt, max_new_tokens, float(temperature), seed, stops)
+        self.requests[req.id] = req
+        self.waiting.append(req)
+        return req
+
+    def add_running(self, context_len: int, max_new_tokens: int) -> Request:
+        """Admit, outside the queue, a request whose prefill happened elsewhere (a
+        PD-disaggregated decode node): a free slot and pages for `context_len` +
+        `max_new_tokens` positions now, or RequestError / HostPoolFull. Its prompt is
+        unknown here (empty)."""
+        if None not in self.slots:
+            raise RequestError(f"no free batch slot (engine.max_batch_size={len(self.slots)})")
+        if context_len + max_new_tokens > self.max_context_len:
+            raise RequestError(f"context {context_len} + max_new_tokens {max_new_tokens} "
+                               f"exceeds engine.max_context_len={self.max_context_len}")
+        req = Request(next(self._ids), [], max_new_tokens)
+        if self.pages is not None:
+            self.pages.reserve(req.id, context_len + max_new_tokens)
+        self.requests[req.id] = req
+        self._place(req)
+        return req
+
+    def abort(self, request_id: int) -> None:
+        """Abort a waiting or running request (unknown ids raise RequestError; a request
+        already done is left as it is)."""
+        req = self.requests.get(request_id)
+        if req is None:
+            raise RequestError(f"request_id={request_id!r}: no such request")
+        if req.done:
+            return
+        if req in self.waiting:
+            self.waiting.remove(req)
+        self._release(req, "aborted", "abort")
+
+    # ---- one step -----------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        """Admit what fits (slots, then pages), and plan this step."""
+        admitted = []
+        while self.waiting and None in self.slots:
+            req = self.waiting[0]
+            if self.pages is not None:
+                if self.pages.pages_needed(req.context_len) > self.pages.free_pages:
+                    break   # waits until pages come back
+                self.pages.reserve(req.id, req.context_len)
+            self.waiting.pop(0)
+            self._place(req)
+            admitted.append(req)
+        decodes = tuple(r for r in self.slots
+                        if r is not None and (r not in admitted or r.max_new_tokens > 1))
+        return SchedulerOutput(tuple(admitted), decodes)
+
+    def append(self, req: Request, token: int, logprob: float) -> bool:
+        """Record one generated token; → True when it finished the request (its slot
+        and pages are free again). Tokens for a request that is done are refused."""
+        if req.status != "running":
+            raise RequestError(f"request {req.id} is {req.status}: cannot take tokens")
+        req.tokens.append(int(token))
+        req.logprobs.append(float(logprob))
+        if int(token) in req.stop_token_ids:
+            self._release(req, "finished", "stop")
+        elif len(req.tokens) >= req.max_new_tokens:
+            self._release(req, "finished", "length")
+        return req.done
+
+    def running(self) -> list[Request]:
+        return [r for r in self.slots if r is not None]
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting) or any(r is not None for r in self.slots)
+
+    # ---- accounting ---------------------------------------------------------------
+    def check_no_leaks(self) -> None:
+        """Every slot and page is owned by a running request, and nothing else."""
+        owners = [r.id for r in self.slots if r is not None]
+        if len(owners) != len(set(owners)):
+            raise AssertionError(f"a request holds two batch slots: {owners}")
+        for i, r in enumerate(self.slots):
+            if r is not None and (r.status != "running" or r.slot != i):
+                raise AssertionError(f"slot {i} holds request {r.id} ({r.status}, slot {r.slot})")
+        if self.pages is not None:
+            self.pages.check(expect_requests=set(owners))
+
+    def _place(self, req: Request) -> None:
+        slot = self.slots.index(None)
+        req.slot, req.status = slot, "running"
+        self.slots[slot] = req
+
+    def _release(self, req: Request, status: str, reason: str) -> None:
+        req.status, req.finish_reason = status, reason
+        if req.slot is not None:
+            self.slots[req.slot] = None
+            req.slot = None
+        if self.pages is not None and req.id in self.pages.requests:
+            self.pages.release(req.id)

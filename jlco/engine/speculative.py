@@ -1,0 +1,368 @@
+"""Speculative decoding in the engine: drafts from the MTP layer (or a given list),
+verified by one s_q = 1 + n forward of the main model, accepted greedily-exact.
+
+One engine step, per request with main-cache length L (x_0..x_{L-1} cached, x_L the
+last emitted token, not yet cached), all inside ONE jit:
+
+  1. draft   `Drafter.propose` → d_1..d_n. The MTP drafter first catches its own cache
+             layer up: positions whose main hidden h_p came out of the previous step
+             (P..L-1, 1..n+1 of them, ragged) run through the MTP block with the token
+             that follows each (x_{p+1}); the last one, (h_{L-1}, x_L), predicts d_1.
+             Then it chains, as DeepSeek/vLLM do: (its own block output at L-1, d_1) at
+             position L predicts d_2, and so on.
+  2. verify  tokens [x_L, d_1..d_n] at positions L..L+n → logits; the target token at j
+             is sampled from logits[j] exactly as the non-speculative step samples token
+             index len(tokens)+j (argmax at temperature 0; at temperature > 0 the same
+             per-token PRNG key). Draft j+1 is accepted while it equals target j.
+  3. emit    target 0..a (a accepted drafts + the bonus token), never more than the
+             request has left (max_new_tokens); lengths roll back to L + a + 1.
+
+Rejected positions need no cleanup: every cache seam writes by position, a later
+forward rewrites position p before any query at p or later reads it (writes come
+before the indexer in every layer), and queries never see positions past their own.
+Offloaded, the rewrite lands in the host pool (scatter by row id) and in the hot buffer
+(`insert_slots` maps a resident position to its slot, so its bytes are overwritten).
+
+MTP attention context (checked against references): `transformers` does not run the MTP
+layer at all (DeepSeek-V3/V3.2 list `model.layers.61.*` as unexpected keys); vLLM and
+SGLang give the MTP block its own KV cache layer (for V3.2 also its own indexer keys)
+covering every position of the sequence: the drafter runs over all prompt positions
+during prefill and over the accepted positions after each verification. jlco does the
+same in cache layer `num_hidden_layers`: the row at position p comes from (h_p, x_{p+1}),
+written per prefill chunk and by the catch-up of step 1. Deviation: vLLM zeroes the
+token embedding at position 0; `DeepseekV32.mtp_logits` does not (model-owned).
+
+Temperature > 0: verification samples every position from the target distribution with
+the request's own per-token key, so the emitted sequence is the one non-speculative
+sampling draws (exact in distribution, token for token up to float summation order);
+acceptance is lower than rejection sampling with min(1, p/q) would give.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Callable, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import SingleDeviceSharding
+
+from jlco.engine import host_driven as engine_host
+from jlco.engine.steps import mask_inactive, sample_rows
+from jlco.model.decode import _logits, prefill
+from jlco.offload.latent import OffloadLatent
+
+
+class DraftInputs(NamedTuple):
+    """What a drafter sees inside the jitted step (n drafts, b batch slots, d hidden)."""
+    pend_h: jax.Array       # [b, n+1, d] main final-normed hidden at positions L-pend_n..L-1
+    pend_tok: jax.Array     # int32 [b, n+1] the token after each of those positions
+    pend_n: jax.Array       # int32 [b] how many of them are real (1..n+1)
+    host_drafts: jax.Array  # int32 [b, n] drafts proposed on the host (`Drafter.host_drafts`)
+
+
+class Drafter:
+    """Where draft tokens come from. `propose` runs traced inside the engine's jitted
+    step and is compiled once per `propose` function, so it must read no per-instance
+    state; `host_drafts` runs on the host before each step (for drafters that know
+    tokens the device does not). `needs_mtp_cache`: the engine fills the MTP layer's
+    cache rows during prefill only for drafters that read them."""
+    needs_mtp_cache = False
+
+    def __eq__(self, other):
+        """Only `propose` is traced (per-instance state lives on the host), so drafters
+        with the same `propose` share one compiled step across engines."""
+        return isinstance(other, Drafter) and type(self).propose is type(other).propose
+
+    def __hash__(self):
+        return hash(type(self).propose)
+
+    def host_drafts(self, slots: Sequence, n: int) -> np.ndarray:
+        """slots: the engine's batch slots (Request or None) → int32 [b, n]; −1 = none."""
+        return np.full((len(slots), n), -1, np.int32)
+
+    def propose(self, model, cache, inputs: DraftInputs, *, n: int, impl: str):
+        """→ (drafts int32 [b, n], cache)."""
+        raise NotImplementedError
+
+
+class MTPDrafter(Drafter):
+    """DeepSeek MTP: (h_i, emb(x_{i+1})) → x_{i+2}, chained on its own hidden. A
+    subclass may override `host_drafts` to replace MTP drafts where it gives one (>= 0),
+    e.g. from a prompt-lookup hint; the chain still runs on the MTP's own drafts."""
+    needs_mtp_cache = True
+
+    def propose(self, model, cache, inputs: DraftInputs, *, n: int, impl: str):
+        b = inputs.pend_n.shape[0]
+        rows = jnp.arange(b)
+        start = cache.lengths - inputs.pend_n
+        with jax.named_scope("mtp_catch_up"):
+            logits, x, cache = model.mtp_logits(inputs.pend_h, inputs.pend_tok, cache, start,
+                                                impl=impl)
+        last = inputs.pend_n - 1
+        draft = jnp.argmax(logits[rows, last], axis=-1).astype(jnp.int32)
+        hx, drafts = x[rows, last], [draft]
+        for j in range(1, n):
+            with jax.named_scope(f"mtp_chain_{j}"):
+                logits, x, cache = model.mtp_logits(hx[:, None], draft[:, None], cache,
+                                                    cache.lengths + j - 1, impl=impl)
+            draft = jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)
+            hx = x[:, 0]
+            drafts.append(draft)
+        host = inputs.host_drafts
+        return jnp.where(host >= 0, host, jnp.stack(drafts, axis=1)), cache
+
+
+class ListDrafter(Drafter):
+    """Proposes tokens a host function gives: `proposals(request, n)` → up to n token
+    ids (padded with 0). Tests use it as an oracle (the true continuation) or a
+    deliberately wrong one to exercise acceptance."""
+
+    def __init__(self, proposals: Callable[[object, int], Sequence[int]]):
+        self.proposals = proposals
+
+    def host_drafts(self, slots, n):
+        out = np.zeros((len(slots), n), np.int32)
+        for i, req in enumerate(slots):
+            if req is not None:
+                got = [int(t) for t in self.proposals(req, n)][:n]
+                out[i, :len(got)] = got
+        return out
+
+    def propose(self, model, cache, inputs, *, n, impl):
+        return jnp.maximum(inputs.host_drafts, 0), cache
+
+
+@dataclasses.dataclass
+class SpecMetrics:
+    """Counts over request-steps (one running request in one engine step)."""
+    steps: int = 0              # engine steps
+    request_steps: int = 0
+    drafted: int = 0            # usable drafts: min(n, tokens left - 1) per request-step
+    accepted: int = 0           # drafts accepted
+    emitted: int = 0            # tokens emitted by decode steps (accepted + bonus)
+
+    @property
+    def mean_accepted_tokens(self) -> float:
+        """Tokens per request-step incl. the bonus token (the simulator's `accept`)."""
+        return self.emitted / self.request_steps if self.request_steps else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    def snapshot(self) -> dict:
+        return dict(dataclasses.asdict(self), mean_accepted_tokens=self.mean_accepted_tokens,
+                    acceptance_rate=self.acceptance_rate)
+
+
+def spec_step(graphdef, state, cache, pend_h, pend_tok, pend_n, host_drafts, active, temps,
+              base_keys, counts, limit, *, drafter: Drafter, n: int, impl: str):
+    """One speculative step for every slot → (targets int32 [b, n+1], their log-probs
+    [b, n+1], accepted drafts [b], verify hidden [b, n+1, d], drafts [b, n], cache).
+    counts [b]: tokens emitted so far (the PRNG index of target 0); limit [b]: tokens
+    the request may still emit (>= 1 when active)."""
+    model = nnx.merge(graphdef, state)
+    cache = mask_inactive(cache, active)
+    saved = cache.latent.page_table if isinstance(cache.latent, OffloadLatent) else None
+    before = cache.lengths
+    drafts, cache = drafter.propose(model, cache, DraftInputs(pend_h, pend_tok, pend_n,
+                                                              host_drafts), n=n, impl=impl)
+    last = pend_tok[jnp.arange(pend_tok.shape[0]), pend_n - 1]
+    h, cache = model(jnp.concatenate([last[:, None], drafts], axis=1), cache, impl=impl)
+    logits = model.logits(h)                                              # [b, n+1, V]
+    b, s, v = logits.shape
+    keys = jax.vmap(lambda k, c: jax.vmap(lambda j: jax.random.fold_in(k, c + j))(
+        jnp.arange(s)))(base_keys, counts)                                # [b, s, 2]
+    tok, logp = sample_rows(logits.reshape(b * s, v), jnp.repeat(temps, s),
+                             keys.reshape(b * s, -1))
+    tok, logp = tok.reshape(b, s), logp.reshape(b, s)
+    match = (drafts == tok[:, :n]).astype(jnp.int32)
+    accepted = jnp.minimum(jnp.cumprod(match, axis=1).sum(axis=1), jnp.maximum(limit - 1, 0))
+    if saved is not None:
+        cache = dataclasses.replace(cache, latent=dataclasses.replace(
+            cache.latent, page_table=jnp.where(active[:, None], saved, cache.latent.page_table)))
+    cache = dataclasses.replace(cache, lengths=jnp.where(active, before + accepted + 1, 0))
+    return tok, logp, accepted.astype(jnp.int32), h, drafts, cache
+
+
+@functools.lru_cache(maxsize=None)
+def _jitted_step(drafter: Drafter, n: int, impl: str, out_shardings):
+    """`spec_step` jitted once per (drafter class, n, impl, output shardings), so
+    engines built alike share one compiled step. out_shardings: (leaves, treedef) or
+    None (offload off: jit keeps everything on device)."""
+    fn = functools.partial(spec_step, drafter=drafter, n=n, impl=impl)
+    if out_shardings is None:
+        return jax.jit(fn, donate_argnums=2)
+    return jax.jit(fn, donate_argnums=2,
+                   out_shardings=jax.tree.unflatten(out_shardings[1], out_shardings[0]))
+
+
+@functools.partial(jax.jit, static_argnames=("impl",), donate_argnames=("cache",))
+def _main_chunk(graphdef, state, cache, tokens, n_new, *, impl):
+    """A prefill chunk through the main model → (final-normed hidden [b, c, d], cache)."""
+    return nnx.merge(graphdef, state)(tokens, cache, n_new, impl=impl)
+
+
+@functools.partial(jax.jit, static_argnames=("impl",), donate_argnames=("cache",))
+def _mtp_chunk(graphdef, state, cache, h, next_tokens, start, *, impl):
+    """The MTP block over a prefill chunk's positions: writes its cache rows only (the
+    draft logits are dead code here and compiled away)."""
+    return nnx.merge(graphdef, state).mtp_logits(h, next_tokens, cache, start, impl=impl)[2]
+
+
+def prefill_with_mtp(model, cache, prompt: np.ndarray, lo: int, hi: int, *, chunk: int,
+                     impl: str):
+    """Prefill prompt [1, n] positions lo..hi-1 (cache.lengths == lo) in chunks of
+    `chunk` (the shapes `decode.prefill` uses), and after each chunk the MTP block over
+    the same positions with the following prompt token. The last prompt position's
+    follower is the first generated token: its MTP row is written by the first
+    speculative step. → (logits [1, V] at position hi-1, its hidden [1, d], cache)."""
+    graphdef, state = model
+    n = prompt.shape[1]
+    last_h = None
+    for start in range(lo, hi, chunk):
+        width = min(chunk, hi - start)
+        piece = np.zeros((1, chunk), np.int32)
+        piece[:, :width] = prompt[:, start:start + width]
+        follow = np.zeros((1, chunk), np.int32)
+        nxt = prompt[:, start + 1:min(start + chunk + 1, n)]
+        follow[:, :nxt.shape[1]] = nxt
+        h, cache = _main_chunk(graphdef, state, cache, jnp.asarray(piece),
+                               jnp.asarray([width], jnp.int32), impl=impl)
+        cache = _mtp_chunk(graphdef, state, cache, h, jnp.asarray(follow),
+                           jnp.asarray([start], jnp.int32), impl=impl)
+        last_h = h[:, width - 1]
+    return _logits(graphdef, state, last_h), last_h, cache
+
+
+class Speculator:
+    """The runner's speculative stepping (`cfg.engine.num_draft_tokens` > 0). Keeps, per
+    batch slot, the main hidden states of the positions the MTP layer has not seen yet
+    (on device) and, per request, how many there are."""
+
+    def __init__(self, runner, drafter: Drafter | None = None):
+        cfg = runner.cfg
+        self.n = cfg.engine.num_draft_tokens
+        if self.n < 1:
+            raise ValueError(f"engine.num_draft_tokens={self.n}: speculative decoding needs "
+                             "an integer in 1..7")
+        self.drafter = MTPDrafter() if drafter is None else drafter
+        if not isinstance(self.drafter, Drafter):
+            raise ValueError(f"drafter={drafter!r}: allowed a jlco.engine.speculative.Drafter")
+        if self.drafter.needs_mtp_cache and nnx.merge(runner.graphdef, runner.state).mtp is None:
+            raise ValueError(f"engine.num_draft_tokens={self.n} with MTP drafts needs a model "
+                             "with an MTP layer (model.num_nextn_predict_layers=1)")
+        if runner.trace is not None:
+            raise ValueError("trace_path: top-k traces record s_q = 1 steps; set "
+                             "engine.num_draft_tokens=0 to record one")
+        if runner.offload and engine_host.resolve_fetch_path(cfg) == "host_driven":
+            raise NotImplementedError(
+                f"engine.num_draft_tokens={self.n} with cache.fetch_path='host_driven' "
+                "(or storage 'file'): speculative steps run the in-jit fetch path only")
+        self.runner = runner
+        self.metrics = SpecMetrics()
+        # Committed to the device like the step's outputs: an uncommitted first input
+        # would make the second step compile again.
+        self.pend_h = jax.device_put(
+            jnp.zeros((runner.batch, self.n + 1, cfg.model.hidden_size),
+                      jnp.dtype(cfg.model.dtype)), jax.devices()[0])
+        self.pend_n: dict[int, int] = {}
+        self._fresh: dict[int, jax.Array] = {}
+        self._keys: dict[int, np.ndarray] = {}
+        # Set to a list to record (request id, slot, tokens before the step, drafts).
+        self.draft_log: list | None = None
+        self._jit = self._compile()
+
+    def _compile(self):
+        run = self.runner
+        shard = None
+        if run.offload:   # the host pool must come back in host memory (steps.py)
+            dev = SingleDeviceSharding(jax.devices()[0])
+            leaves, tree = jax.tree.flatten((dev,) * 5 + (run.cache_shardings(),))
+            shard = (tuple(leaves), tree)
+        return _jitted_step(self.drafter, self.n, run.impl, shard)
+
+    def prefill(self, req, temp, prompt, lo, hi, chunk):
+        """The runner's prefill of prompt positions lo..hi-1, with the MTP rows filled
+        when the drafter reads them; remembers the last hidden for the first step."""
+        model = (self.runner.graphdef, self.runner.state)
+        if self.drafter.needs_mtp_cache:
+            logits, h, temp = prefill_with_mtp(model, temp, prompt, lo, hi, chunk=chunk,
+                                               impl=self.runner.impl)
+        else:
+            logits, h, temp = prefill(model, temp, prompt[:, lo:hi], chunk=chunk,
+                                      impl=self.runner.impl)
+        self._fresh[req.id] = h
+        return logits, h, temp
+
+    def _inputs(self, running):
+        b, n = self.runner.batch, self.n
+        pend_tok = np.zeros((b, n + 1), np.int32)
+        pend_n = np.ones((b,), np.int32)
+        active = np.zeros((b,), bool)
+        temps = np.zeros((b,), np.float32)
+        keys = np.zeros((b, 2), np.uint32)
+        counts = np.zeros((b,), np.int32)
+        limit = np.zeros((b,), np.int32)
+        slots = [None] * b
+        for r in running:
+            if r.id in self._fresh:
+                self.pend_h = self.pend_h.at[r.slot, 0].set(self._fresh.pop(r.id)[0])
+                self.pend_n[r.id] = 1
+            if r.id not in self._keys:
+                self._keys[r.id] = np.asarray(jax.random.PRNGKey(r.seed))
+            k, s = self.pend_n[r.id], r.slot
+            pend_tok[s, :k], pend_n[s], active[s] = r.tokens[-k:], k, True
+            temps[s], keys[s], counts[s] = r.temperature, self._keys[r.id], len(r.tokens)
+            limit[s] = r.max_new_tokens - len(r.tokens)
+            slots[s] = r
+        drafts = np.asarray(self.drafter.host_drafts(slots, n), np.int32)
+        vocab = self.runner.cfg.model.vocab_size
+        if drafts.shape != (b, n) or (drafts < -1).any() or (drafts >= vocab).any():
+            raise ValueError(f"drafter.host_drafts: must be int32 [{b}, {n}] in -1..{vocab - 1} "
+                             f"(-1 = none); got shape {drafts.shape}, range "
+                             f"{drafts.min()}..{drafts.max()}")
+        return pend_tok, pend_n, drafts, active, temps, keys, counts, limit
+
+    def step(self, running):
+        """The runner's `decode` with drafts: draft + verify in one jit → (tokens,
+        log-probs, seconds) with 1 + accepted tokens per request, in `running` order."""
+        run = self.runner
+        args = self._inputs(running)
+        t0 = time.perf_counter()
+        tok, logp, acc, self.pend_h, drafts, run.cache = self._jit(
+            run.graphdef, run.state, run.cache, self.pend_h, *args)
+        stats = run.cache.latent.stats if run.offload else None
+        tok, logp, acc, drafts, stats = jax.device_get((tok, logp, acc, drafts, stats))
+        seconds = time.perf_counter() - t0
+        if stats is not None:
+            run.record_stats(stats)
+        self.metrics.steps += 1
+        out_tok, out_logp = [], []
+        for r in running:
+            a, left = int(acc[r.slot]), r.max_new_tokens - len(r.tokens)
+            self._count(a, min(self.n, left - 1))
+            if self.draft_log is not None:
+                self.draft_log.append((r.id, r.slot, len(r.tokens),
+                                       [int(t) for t in drafts[r.slot]]))
+            self.pend_n[r.id] = a + 1
+            out_tok.append(tuple(int(t) for t in tok[r.slot, :a + 1]))
+            out_logp.append(tuple(float(p) for p in logp[r.slot, :a + 1]))
+        return tuple(out_tok), tuple(out_logp), seconds
+
+    def _count(self, accepted: int, usable: int) -> None:
+        m = self.metrics
+        m.request_steps += 1
+        m.drafted += usable
+        m.accepted += accepted
+        m.emitted += accepted + 1
+
+    def forget(self, request_id: int) -> None:
+        """Drop one request's state (it finished or was aborted)."""
+        for d in (self.pend_n, self._fresh, self._keys):
+            d.pop(request_id, None)

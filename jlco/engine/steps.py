@@ -1,0 +1,117 @@
+"""The engine's jitted functions: one decode step (model + sampling), installing a
+prefilled request into its batch slot, and the offload warm-up at admission.
+
+Each takes the split model (graphdef, state) and the batch cache, donates the cache, and
+with offload pins every output's sharding: the host pool must come back in `pinned_host`
+memory (a jit left to choose would hand it back as device memory and fail).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jlco.model.kv_cache import DecodeCache
+from jlco.offload.fetch import fetch_in_jit
+from jlco.offload.host_pool import host_row_ids, scatter_to_host
+from jlco.offload.hot_buffer import resolve
+from jlco.offload.latent import OffloadLatent
+
+
+def sample_rows(logits, temps, keys):
+    """logits [b, V] f32, temps [b], keys [b, 2] → (tokens [b], logprobs [b]); temp 0 =
+    greedy; the log-prob is of the untempered distribution (what `--json` reports)."""
+    def one(lg, t, key):
+        drawn = jax.random.categorical(key, lg / jnp.where(t > 0, t, 1.0))
+        return jnp.where(t > 0, drawn, jnp.argmax(lg)).astype(jnp.int32)
+    tok = jax.vmap(one)(logits, temps, keys)
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    return tok, jnp.take_along_axis(logp, tok[:, None], axis=-1)[:, 0]
+
+
+def mask_inactive(cache: DecodeCache, active: jax.Array) -> DecodeCache:
+    """Empty batch slots decode a dummy token; keep their length at 0 and, offloaded,
+    keep them out of the hot buffer and the counters."""
+    cache = dataclasses.replace(cache, lengths=jnp.where(active, cache.lengths, 0))
+    if isinstance(cache.latent, OffloadLatent):
+        lat = cache.latent
+        table = jnp.where(active[:, None], lat.page_table, -1)
+        cache = dataclasses.replace(cache, latent=dataclasses.replace(
+            lat, page_table=table, stats=jnp.zeros_like(lat.stats)))
+    return cache
+
+
+def forward(graphdef, state, cache: DecodeCache, tokens, active, *, impl):
+    """tokens [b, s] appended for the active requests → (logits [b, s, V], cache): the
+    verification pass of speculative decoding (s = 1 + drafts)."""
+    model = nnx.merge(graphdef, state)
+    cache = mask_inactive(cache, active)
+    saved_table = cache.latent.page_table if isinstance(cache.latent, OffloadLatent) else None
+    h, cache = model(tokens, cache, impl=impl)
+    if saved_table is not None:
+        cache = dataclasses.replace(cache, latent=dataclasses.replace(
+            cache.latent, page_table=jnp.where(active[:, None], saved_table,
+                                               cache.latent.page_table)))
+    cache = dataclasses.replace(cache, lengths=jnp.where(active, cache.lengths, 0))
+    return model.logits(h), cache
+
+
+def decode_step(graphdef, state, cache: DecodeCache, tokens, active, temps, keys, *, impl):
+    """tokens [b, 1] → (next tokens [b], logprobs [b], cache). One jit, one sync (the
+    caller reads tokens, logprobs and the offload counters together)."""
+    logits, cache = forward(graphdef, state, cache, tokens, active, impl=impl)
+    tok, logp = sample_rows(logits[:, -1], temps, keys)
+    return tok, logp, cache
+
+
+def install(cache: DecodeCache, temp: DecodeCache, slot, n, page_row):
+    """Copy a prefilled single-request cache `temp` (b = 1) into batch slot `slot` with
+    length n. Offloaded: latent rows go to the host pool at the request's pages
+    (page_row int32 [P]) and its hot-buffer slots are emptied."""
+    def put(big, small):
+        return big.at[:, slot].set(small[:, 0])
+    new = dataclasses.replace(
+        cache, index_k=put(cache.index_k, temp.index_k),
+        index_scale=None if cache.index_scale is None else put(cache.index_scale, temp.index_scale),
+        lengths=cache.lengths.at[slot].set(n))
+    if not isinstance(cache.latent, OffloadLatent):
+        return dataclasses.replace(new, latent=put(cache.latent, temp.latent))
+    lat = cache.latent
+    t = temp.max_len
+    positions = jnp.where(jnp.arange(t) < n, jnp.arange(t), -1)[None]
+    ids = host_row_ids(page_row[None], positions, lat.page_size)[0]
+    host = tuple(scatter_to_host(h, ids, temp.latent[i, 0]) for i, h in enumerate(lat.host))
+    lat = dataclasses.replace(
+        lat, host=host, page_table=lat.page_table.at[slot].set(page_row),
+        slot_pos=lat.slot_pos.at[:, slot].set(-1), slot_stamp=lat.slot_stamp.at[:, slot].set(-1))
+    return dataclasses.replace(new, latent=lat)
+
+
+def warm_up(cache: DecodeCache, slot, record):
+    """ESS's admission warm-up: insert the top-k positions of the last prefill queries
+    (record int32 [L, w, k], oldest query first) into the slot's hot buffer in order,
+    fetching them from the host pool, so step 0 finds most rows resident. Query q is
+    stamped step - w + q: older than the next decode step, in insertion order."""
+    lat = cache.latent
+    rows, pos, stamp = lat.rows, lat.slot_pos, lat.slot_stamp
+    table = lat.page_table[slot][None]
+    fetched = jnp.int32(0)
+    for layer in range(record.shape[0]):
+        def body(q, carry):
+            r, p, s, n = carry
+            stamp_q = lat.step - record.shape[1] + q
+            res = resolve(p[None], s[None], record[layer, q][None, None], stamp_q, lat.policy,
+                          num_positions=lat.num_positions)
+            r, _ = fetch_in_jit(r[None], lat.host[layer], table, res, lat.page_size)
+            return r[0], res.slot_pos[0], res.slot_stamp[0], n + res.n_miss.sum()
+        r, p, s, fetched = jax.lax.fori_loop(
+            0, record.shape[1], body,
+            (rows[layer, slot], pos[layer, slot], stamp[layer, slot], fetched))
+        rows, pos, stamp = (rows.at[layer, slot].set(r), pos.at[layer, slot].set(p),
+                            stamp.at[layer, slot].set(s))
+    lat = dataclasses.replace(lat, rows=rows, slot_pos=pos, slot_stamp=stamp)
+    return dataclasses.replace(cache, latent=lat), fetched
+

@@ -1,0 +1,105 @@
+"""Prefill and decode over the on-device cache, plus sampling.
+
+The model is split once (`nnx.split`) and its state passed to plain `jax.jit` functions
+that `nnx.merge` inside the trace. `nnx.jit` would walk the module graph in Python on
+every call (milliseconds for 61 layers); with split state, a decode step dispatches
+through jit's C++ fast path. The cache argument is donated, so the byte arrays update in
+place. A prefill chunk is the decode path with s = chunk: no [L, L] matrix is built.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jlco.model.decoder import DeepseekV32
+from jlco.model.kv_cache import DecodeCache
+
+
+def split(model: DeepseekV32):
+    """(graphdef, state) for the jitted step functions; do this once per model."""
+    return nnx.split(model)
+
+
+@partial(jax.jit, static_argnames=("impl",), donate_argnames=("cache",))
+def decode_step(graphdef, state, cache: DecodeCache, tokens: jax.Array, *, impl: str = "auto"):
+    """tokens [b, s] (s ≥ 1: the next token, plus MTP drafts) for every request →
+    (logits [b, s, V] f32, final-normed hidden [b, s, d], cache with lengths += s).
+    Requests may have different lengths; each token t sits at lengths[b] + t."""
+    model = nnx.merge(graphdef, state)
+    h, cache = model(tokens, cache, impl=impl)
+    return model.logits(h), h, cache
+
+
+@partial(jax.jit, static_argnames=("impl",), donate_argnames=("cache",))
+def _prefill_chunk(graphdef, state, cache, tokens, n_new, *, impl):
+    """One ragged chunk: returns the hidden state of each request's last real token."""
+    model = nnx.merge(graphdef, state)
+    h, cache = model(tokens, cache, n_new, impl=impl)
+    last = jnp.clip(n_new - 1, 0, tokens.shape[1] - 1)
+    return h[jnp.arange(h.shape[0]), last], cache
+
+
+@partial(jax.jit, static_argnames=("impl",), donate_argnames=("cache",))
+def mtp_step(graphdef, state, cache, hidden, next_tokens, start, *, impl: str = "auto"):
+    """MTP draft: hidden [b,s,d] at positions start[b]+t with next_tokens [b,s] →
+    (draft logits [b,s,V], MTP hidden, cache with the MTP layer's rows written)."""
+    model = nnx.merge(graphdef, state)
+    return model.mtp_logits(hidden, next_tokens, cache, start, impl=impl)
+
+
+@jax.jit
+def _logits(graphdef, state, h):
+    return nnx.merge(graphdef, state).logits(h)
+
+
+def prefill(model, cache: DecodeCache, tokens, prompt_lens=None, *, chunk: int,
+            impl: str = "auto"):
+    """Append prompts to the cache in chunks of `chunk` tokens.
+
+    model: a DeepseekV32 or its (graphdef, state) from `split`. tokens [b, L] (int,
+    right-padded), prompt_lens [b] (default L; 0 leaves a request untouched). Every chunk
+    has the same shape, so one compilation serves the whole prompt.
+    → (logits [b, V] at each request's last prompt token, its hidden [b, d], cache).
+    """
+    graphdef, state = split(model) if isinstance(model, DeepseekV32) else model
+    tokens = np.asarray(tokens, np.int32)
+    if tokens.ndim != 2 or tokens.shape[0] != cache.batch:
+        raise ValueError(f"prefill: tokens must be [batch={cache.batch}, L]; got {tokens.shape}")
+    if not isinstance(chunk, int) or chunk <= 0:
+        raise ValueError(f"prefill: chunk={chunk!r} must be a positive int")
+    b, n = tokens.shape
+    lens = np.full((b,), n, np.int32) if prompt_lens is None else np.asarray(prompt_lens, np.int32)
+    if lens.shape != (b,) or (lens < 0).any() or (lens > n).any():
+        raise ValueError(f"prefill: prompt_lens must be [batch] in 0..{n}; got {lens}")
+    room = cache.max_len - np.asarray(cache.lengths)
+    if (lens > room).any():
+        raise ValueError(f"prefill: prompt_lens {lens} exceed cache room {room} (max_len "
+                         f"{cache.max_len})")
+    last_h = None
+    for start in range(0, max(int(lens.max()), 1), chunk):
+        piece = np.zeros((b, chunk), np.int32)
+        width = min(chunk, n - start)
+        piece[:, :width] = tokens[:, start:start + width]
+        n_new = np.clip(lens - start, 0, chunk).astype(np.int32)
+        h, cache = _prefill_chunk(graphdef, state, cache, jnp.asarray(piece),
+                                  jnp.asarray(n_new), impl=impl)
+        last_h = h if last_h is None else jnp.where(jnp.asarray(n_new > 0)[:, None], h, last_h)
+    return _logits(graphdef, state, last_h), last_h, cache
+
+
+@jax.jit
+def sample(logits: jax.Array, temperature, key: jax.Array):
+    """logits [..., V], temperature scalar or [...] (0 = greedy) →
+    (tokens [...] int32, logprobs [...]: log-softmax of the untempered logits at the token)."""
+    logits = logits.astype(jnp.float32)
+    t = jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), logits.shape[:-1])
+    greedy = jnp.argmax(logits, axis=-1)
+    drawn = jax.random.categorical(key, logits / jnp.where(t > 0, t, 1.0)[..., None], axis=-1)
+    tok = jnp.where(t > 0, drawn, greedy).astype(jnp.int32)
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    return tok, jnp.take_along_axis(logp, tok[..., None], axis=-1)[..., 0]

@@ -1,0 +1,166 @@
+"""The on-device decode cache: MLA latent rows as raw bytes, indexer keys, lengths.
+
+Rows are bytes because XLA:CPU rewrites a whole donated bf16/fp8 array on update but
+updates integer arrays in place (docs/facts.md §5). All latent-row traffic goes through
+`write_latent` and `latent_for_attention`: the offload engine swaps exactly these two
+for a host pool + device hot buffer, so nothing else may touch `latent` directly.
+
+Layer axis: num_hidden_layers main layers, then the MTP layer if the model has one.
+Indexer keys with key_format "bf16" are stored unquantised in the model dtype (bf16 for
+the real model, f32 for the fp32 parity model; f32 arrays update in place too, bf16 ones
+are stored as uint16 bits); "fp8" stores e4m3 bytes + one f32 scale per token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jlco.config import Config
+from jlco.model.fp8_emul import quantize_e4m3
+from jlco.offload import latent as offload_latent
+
+
+@partial(jax.tree_util.register_dataclass,
+         data_fields=("latent", "index_k", "index_scale", "lengths", "record"),
+         meta_fields=("kv_format", "key_format", "d_rope"))
+@dataclasses.dataclass(frozen=True)
+class DecodeCache:
+    latent: Any                       # uint8 [layers, b, t, row_bytes], or OffloadLatent
+    index_k: jax.Array                # [layers, b, t, D]: f32 | uint16 (bf16 bits) | uint8 (e4m3)
+    index_scale: jax.Array | None     # f32 [layers, b, t] when key_format == "fp8"
+    lengths: jax.Array                # int32 [b]: tokens cached per request
+    kv_format: str
+    key_format: str
+    d_rope: int
+    # int32 [layers, b, s, k]: the last top-k positions each layer selected (None = off).
+    # The engine reads it for the admission warm-up set and for top-k traces.
+    record: jax.Array | None = None
+
+    @property
+    def batch(self) -> int:
+        return self.index_k.shape[1]
+
+    @property
+    def max_len(self) -> int:
+        return self.index_k.shape[2]
+
+    @property
+    def num_layers(self) -> int:
+        return self.latent.shape[0]
+
+
+def cache_layers(cfg: Config) -> int:
+    return cfg.model.num_hidden_layers + cfg.model.num_nextn_predict_layers
+
+
+def _key_storage_dtype(cfg: Config):
+    if cfg.cache.indexer_key_format == "fp8":
+        return jnp.uint8
+    return jnp.float32 if cfg.model.dtype == "float32" else jnp.uint16
+
+
+def init_cache(cfg: Config, batch: int | None = None, max_len: int | None = None,
+               latent: Any = None) -> DecodeCache:
+    """Zeroed cache for `batch` requests of up to `max_len` tokens (engine defaults).
+    `latent` replaces the device latent array (the offload engine passes its
+    OffloadLatent, so the full latent cache is never allocated on device)."""
+    b = cfg.engine.max_batch_size if batch is None else batch
+    t = cfg.engine.max_context_len if max_len is None else max_len
+    if b <= 0 or t <= 0:
+        raise ValueError(f"init_cache: batch={b} and max_len={t} must be positive")
+    m, n = cfg.model, cache_layers(cfg)
+    fp8_keys = cfg.cache.indexer_key_format == "fp8"
+    if fp8_keys and m.index_head_dim > 128:
+        raise ValueError(f"cache.indexer_key_format='fp8' keeps one scale per token: "
+                         f"model.index_head_dim ({m.index_head_dim}) must be <= 128")
+    return DecodeCache(
+        latent=jnp.zeros((n, b, t, cfg.row_bytes), jnp.uint8) if latent is None else latent,
+        index_k=jnp.zeros((n, b, t, m.index_head_dim), _key_storage_dtype(cfg)),
+        index_scale=jnp.zeros((n, b, t), jnp.float32) if fp8_keys else None,
+        lengths=jnp.zeros((b,), jnp.int32),
+        kv_format=cfg.cache.kv_format, key_format=cfg.cache.indexer_key_format,
+        d_rope=m.qk_rope_head_dim)
+
+
+def encode_rows(rows: jax.Array, kv_format: str, d_rope: int) -> jax.Array:
+    """Latent rows [..., c + r] float → raw bytes [..., row_bytes]."""
+    if kv_format == "fp8":
+        from jlco.pallas import fp8_rows
+        return fp8_rows.quantize_kv_rows(rows, d_rope=d_rope)
+    dt = jnp.float32 if kv_format == "f32" else jnp.bfloat16
+    b = jax.lax.bitcast_convert_type(rows.astype(dt), jnp.uint8)       # [..., n, w]
+    return b.reshape(*rows.shape[:-1], -1)
+
+
+def _scatter(arr, layer: int, positions: jax.Array, values: jax.Array):
+    """arr[layer, b, positions[b, s]] = values[b, s]; positions past the end are dropped
+    (padding tokens of a ragged prefill chunk can fall there)."""
+    bidx = jnp.broadcast_to(jnp.arange(positions.shape[0])[:, None], positions.shape)
+    return arr.at[layer, bidx, positions].set(values, mode="drop")
+
+
+def write_latent(cache: DecodeCache, layer: int, rows: jax.Array,
+                 positions: jax.Array) -> DecodeCache:
+    """Store latent rows [b, s, c + r] at token positions [b, s] of `layer`."""
+    with jax.named_scope("write_latent"):
+        data = encode_rows(rows, cache.kv_format, cache.d_rope)
+        if isinstance(cache.latent, offload_latent.OffloadLatent):
+            lat = offload_latent.write_latent(cache.latent, layer, data, positions)
+            return dataclasses.replace(cache, latent=lat)
+        return dataclasses.replace(cache, latent=_scatter(cache.latent, layer, positions, data))
+
+
+def latent_for_attention(cache: DecodeCache, layer: int, positions: jax.Array
+                         ) -> tuple[DecodeCache, jax.Array, jax.Array]:
+    """Rows and global row ids for sparse MLA: positions [b, s, k] (−1 = none) →
+    (cache, rows [n, row_bytes], ids [b, s, k] into rows, −1 kept). On device n = b·t and
+    ids = b·t + position; offloaded, n = b·m hot slots and misses are fetched first."""
+    if cache.record is not None and cache.record.shape[2:] == positions.shape[1:]:
+        cache = dataclasses.replace(cache, record=cache.record.at[layer].set(positions))
+    if isinstance(cache.latent, offload_latent.OffloadLatent):
+        lat, rows, ids = offload_latent.latent_for_attention(cache.latent, layer, positions)
+        return dataclasses.replace(cache, latent=lat), rows, ids
+    lat = cache.latent[layer]
+    b, t, row = lat.shape
+    ids = jnp.arange(b, dtype=jnp.int32)[:, None, None] * t + positions
+    return cache, lat.reshape(b * t, row), jnp.where(positions >= 0, ids, -1).astype(jnp.int32)
+
+
+def write_index_key(cache: DecodeCache, layer: int, k: jax.Array,
+                    positions: jax.Array) -> DecodeCache:
+    """Store indexer keys [b, s, D] (already rotated if the model emulates fp8)."""
+    with jax.named_scope("write_index_key"):
+        if cache.key_format == "fp8":
+            q, scale = quantize_e4m3(k, block=k.shape[-1])
+            bits = jax.lax.bitcast_convert_type(q, jnp.uint8)
+            return dataclasses.replace(
+                cache, index_k=_scatter(cache.index_k, layer, positions, bits),
+                index_scale=_scatter(cache.index_scale, layer, positions, scale[..., 0]))
+        dt = cache.index_k.dtype
+        vals = (k.astype(jnp.float32) if dt == jnp.float32 else
+                jax.lax.bitcast_convert_type(k.astype(jnp.bfloat16), jnp.uint16))
+        return dataclasses.replace(cache, index_k=_scatter(cache.index_k, layer, positions, vals))
+
+
+def index_keys(cache: DecodeCache, layer: int) -> tuple[jax.Array, jax.Array | None]:
+    """Keys [b, t, D] in the form `indexer_topk` takes (float, or uint8 e4m3 + scale)."""
+    k = cache.index_k[layer]
+    if cache.key_format == "fp8":
+        return k, cache.index_scale[layer]
+    if k.dtype == jnp.uint16:
+        k = jax.lax.bitcast_convert_type(k, jnp.bfloat16)
+    return k, None
+
+
+def advance(cache: DecodeCache, n_new: jax.Array) -> DecodeCache:
+    """lengths += n_new [b] (real tokens written this step); the offload step counter
+    (hot-buffer stamps) moves on."""
+    lat = cache.latent
+    if isinstance(lat, offload_latent.OffloadLatent):
+        lat = offload_latent.next_step(lat)
+    return dataclasses.replace(cache, latent=lat, lengths=cache.lengths + n_new.astype(jnp.int32))

@@ -1,0 +1,96 @@
+"""Multi-head latent attention (MLA) in the absorbed form over the sparse top-k rows.
+
+Only the latent row [c (kv_lora_rank) | k_rope] is cached. q_nope is absorbed into the
+latent space by W_UK (the nope half of kv_b_proj), attention runs over the selected
+rows, and W_UV (the value half) maps the latent output back to heads (docs/facts.md §1).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jlco.config import ModelConfig
+from jlco.model import attention, kv_cache
+from jlco.model.indexer import Indexer
+from jlco.model.layers import Linear, RMSNorm, apply_rope_interleaved, dtype_of
+
+
+class MLA(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        dt, h = dtype_of(cfg), cfg.num_attention_heads
+        self.cfg = cfg
+        self.q_a_proj = Linear(cfg.hidden_size, cfg.q_lora_rank, axes=("embed", "q_lora"),
+                               dtype=dt, rngs=rngs)
+        self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, eps=cfg.rms_norm_eps, dtype=dt, rngs=rngs)
+        self.q_b_proj = Linear(cfg.q_lora_rank, h * cfg.qk_head_dim, axes=("q_lora", "heads"),
+                               dtype=dt, rngs=rngs)
+        self.kv_a_proj_with_mqa = Linear(cfg.hidden_size, cfg.latent_dim,
+                                         axes=("embed", "kv_lora"), dtype=dt, rngs=rngs)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, eps=cfg.rms_norm_eps, dtype=dt, rngs=rngs)
+        self.kv_b_proj = Linear(cfg.kv_lora_rank, h * (cfg.qk_nope_head_dim + cfg.v_head_dim),
+                                axes=("kv_lora", "heads"), dtype=dt, rngs=rngs)
+        self.o_proj = Linear(h * cfg.v_head_dim, cfg.hidden_size, axes=("heads", "embed"),
+                             dtype=dt, rngs=rngs)
+        self.indexer = Indexer(cfg, rngs=rngs)
+
+    def latent(self, x, cos, sin):
+        """New latent rows [b,s,c+r]: normed c | RoPE'd k_rope (de-interleaved layout)."""
+        c, k_rope = jnp.split(self.kv_a_proj_with_mqa(x), [self.cfg.kv_lora_rank], axis=-1)
+        return jnp.concatenate([self.kv_a_layernorm(c), apply_rope_interleaved(k_rope, cos, sin)],
+                               axis=-1)
+
+    def queries(self, qr, cos, sin):
+        """Absorbed queries [b,s,h,c+r] = [q_nope·W_UK | RoPE(q_rope)]."""
+        cfg = self.cfg
+        b, s, _ = qr.shape
+        q = self.q_b_proj(qr).reshape(b, s, cfg.num_attention_heads, cfg.qk_head_dim)
+        q_nope, q_rope = jnp.split(q, [cfg.qk_nope_head_dim], axis=-1)
+        w_uk = self._wkv()[..., :cfg.qk_nope_head_dim]
+        q_abs = jnp.einsum("bshn,chn->bshc", q_nope.astype(jnp.float32), w_uk.astype(jnp.float32))
+        return jnp.concatenate([q_abs.astype(q.dtype), apply_rope_interleaved(q_rope, cos, sin)],
+                               axis=-1)
+
+    def _wkv(self):
+        cfg = self.cfg
+        return self.kv_b_proj.weight[...].reshape(
+            cfg.kv_lora_rank, cfg.num_attention_heads, cfg.qk_nope_head_dim + cfg.v_head_dim)
+
+    def pre(self, x, cos, sin):
+        """Token-wise projections of one step (no cache access) → (latent rows
+        [b,s,c+r], absorbed queries [b,s,h,c+r], indexer q [b,s,H,D], indexer key [b,s,D],
+        indexer weights [b,s,H]). The host-driven engine runs this phase on the whole
+        batch, then selection and attention per micro-batch, so each phase is shared
+        with `__call__` and both paths compute the same bits."""
+        qr = self.q_a_layernorm(self.q_a_proj(x))
+        iq, ik, iw = self.indexer.project(x, qr, cos, sin)
+        return self.latent(x, cos, sin), self.queries(qr, cos, sin), iq, ik, iw
+
+    def attend(self, q, rows, ids, kv_format: str, impl: str):
+        """Sparse MLA over byte rows [n, R] addressed by ids [b,s,k] → latent-space
+        output [b,s,h,c] (per request: the host-driven engine calls it per micro-batch)."""
+        out, _ = attention.sparse_mla(q, rows, ids, self.cfg.softmax_scale, kv_format=kv_format,
+                                      d_rope=self.cfg.qk_rope_head_dim, impl=impl)
+        return out
+
+    def post(self, out, dtype):
+        """Latent-space attention output [b,s,h,c] → W_UV → o_proj → [b,s,d]."""
+        cfg = self.cfg
+        b, s = out.shape[:2]
+        w_uv = self._wkv()[..., cfg.qk_nope_head_dim:]
+        o = jnp.einsum("bshc,chv->bshv", out.astype(jnp.float32), w_uv.astype(jnp.float32))
+        return self.o_proj(o.reshape(b, s, -1).astype(dtype))
+
+    def __call__(self, x, cos, sin, cache: kv_cache.DecodeCache, layer: int,
+                 positions, kernel_lengths, impl: str):
+        with jax.named_scope("mla"):
+            latent, q, iq, ik, iw = self.pre(x, cos, sin)
+            cache = kv_cache.write_latent(cache, layer, latent, positions)
+            cache = kv_cache.write_index_key(cache, layer, ik, positions)
+            keys, scale = kv_cache.index_keys(cache, layer)
+            topk_pos = self.indexer.topk(iq, iw, keys, scale, kernel_lengths, cache.key_format,
+                                         impl)
+            cache, rows, ids = kv_cache.latent_for_attention(cache, layer, topk_pos)
+            out = self.attend(q, rows, ids, cache.kv_format, impl)
+            return self.post(out, x.dtype), cache

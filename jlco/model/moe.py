@@ -1,0 +1,97 @@
+"""Dense MLP and the DeepSeek MoE block (sigmoid router, group-limited top-k, shared expert).
+
+Routing (docs/facts.md §1): scores = sigmoid(x·W_gate) in f32; the correction bias only steers
+*selection*; groups are ranked by the sum of their top-2 biased scores, the best
+topk_group groups stay eligible; the chosen experts' unbiased scores are normalised and
+scaled by routed_scaling_factor. Experts run as grouped matmuls (`ragged_dot`) over the
+token→expert assignments sorted by expert, so cost scales with k, not with E.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jlco.config import ModelConfig
+from jlco.model.layers import Linear, dtype_of, param
+
+
+class MLP(nnx.Module):
+    def __init__(self, d: int, inter: int, *, dtype, rngs: nnx.Rngs):
+        self.gate_proj = Linear(d, inter, axes=("embed", "mlp"), dtype=dtype, rngs=rngs)
+        self.up_proj = Linear(d, inter, axes=("embed", "mlp"), dtype=dtype, rngs=rngs)
+        self.down_proj = Linear(inter, d, axes=("mlp", "embed"), dtype=dtype, rngs=rngs)
+
+    def __call__(self, x):
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Router(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.weight = param(rngs, (cfg.hidden_size, cfg.n_routed_experts), jnp.float32,
+                            ("embed", None))
+        self.e_score_correction_bias = param(rngs, (cfg.n_routed_experts,), jnp.float32,
+                                             (None,), init="zeros")
+
+    def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """x [n, d] → (weights [n, k] f32, expert ids [n, k] int32)."""
+        cfg = self.cfg
+        n, e, g = x.shape[0], cfg.n_routed_experts, cfg.n_group
+        with jax.named_scope("router"):
+            scores = jax.nn.sigmoid(jnp.einsum("nd,de->ne", x.astype(jnp.float32), self.weight[...]))
+            choice = scores + self.e_score_correction_bias[...]
+            top2 = jax.lax.top_k(choice.reshape(n, g, e // g), 2)[0]
+            _, groups = jax.lax.top_k(jnp.sum(top2, axis=-1), cfg.topk_group)          # [n, tg]
+            keep = jnp.zeros((n, g), bool).at[jnp.arange(n)[:, None], groups].set(True)
+            keep = jnp.repeat(keep, e // g, axis=1)
+            _, ids = jax.lax.top_k(jnp.where(keep, choice, -jnp.inf), cfg.num_experts_per_tok)
+            w = jnp.take_along_axis(scores, ids, axis=1)
+            if cfg.norm_topk_prob:
+                w = w / (jnp.sum(w, axis=-1, keepdims=True) + 1e-20)
+            return w * cfg.routed_scaling_factor, ids.astype(jnp.int32)
+
+
+class Experts(nnx.Module):
+    """Routed experts stacked on a leading expert axis (expert-parallel sharding axis)."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        dt, e, d, i = dtype_of(cfg), cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.gate_proj = param(rngs, (e, d, i), dt, ("expert", "embed", "mlp"))
+        self.up_proj = param(rngs, (e, d, i), dt, ("expert", "embed", "mlp"))
+        self.down_proj = param(rngs, (e, i, d), dt, ("expert", "mlp", "embed"))
+
+    def __call__(self, x: jax.Array, w: jax.Array, ids: jax.Array) -> jax.Array:
+        """x [n, d], w/ids [n, k] → Σ_k w · expert_ids(x)  [n, d]."""
+        n, k = ids.shape
+        e = self.gate_proj.shape[0]
+        with jax.named_scope("experts"):
+            flat = ids.reshape(-1)
+            order = jnp.argsort(flat)
+            token = order // k
+            sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
+            xs = x[token].astype(self.gate_proj.dtype)
+            hid = jax.nn.silu(jax.lax.ragged_dot(xs, self.gate_proj[...], sizes)) * \
+                jax.lax.ragged_dot(xs, self.up_proj[...], sizes)
+            ys = jax.lax.ragged_dot(hid, self.down_proj[...], sizes).astype(jnp.float32)
+            ys = ys * w.reshape(-1)[order][:, None]
+            return jnp.zeros((n, x.shape[-1]), jnp.float32).at[token].add(ys).astype(x.dtype)
+
+
+class MoE(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.gate = Router(cfg, rngs=rngs)
+        self.experts = Experts(cfg, rngs=rngs)
+        self.shared_experts = (MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts,
+                                   dtype=dtype_of(cfg), rngs=rngs)
+                               if cfg.n_shared_experts else None)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        with jax.named_scope("moe"):
+            flat = x.reshape(-1, x.shape[-1])
+            w, ids = self.gate(flat)
+            y = self.experts(flat, w, ids).reshape(x.shape)
+            if self.shared_experts is not None:
+                y = y + self.shared_experts(x)
+            return y

@@ -1,0 +1,195 @@
+"""Memory planner: how many requests fit on one device, with and without offload.
+
+Device = weights on this rank + runtime reserve + activations + per-request caches. Per
+request, the indexer cache always stays on device (every step scores every token); the
+latent cache is either all on device (offload off) or only its hot buffer is (offload
+on, the rest in host memory). The largest batch is the memory limit, and the admitted
+batch is that capped by `engine.max_batch_size`; both are reported. The transfer check
+asks whether one step's missed rows cross the host link within one step's compute.
+
+`python -m jlco.plan --config configs/128k.py --hardware h200 [--json]`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from jlco.config import Config
+from jlco.model import kv_cache
+from jlco.planning import throughput as sim
+from jlco.planning.hardware import HardwareProfile
+from jlco.planning.params import WeightBytes, weight_bytes
+
+
+def cache_layers(cfg: Config) -> int:
+    """Layers that keep a cache: the main layers plus the MTP layer when the model has
+    one, as `jlco.model.kv_cache` and the engine allocate it (also when not drafting)."""
+    return kv_cache.cache_layers(cfg)
+
+
+def activation_bytes_per_token(cfg: Config, context: int) -> int:
+    """Peak live activation bytes per query token: residual + normed input (bf16) plus
+    the largest transient of one layer: f32 indexer logits over the context, MoE
+    dispatch/combine buffers and expert hiddens, or f32 vocabulary logits."""
+    m = cfg.model
+    base = 2 * 2 * m.hidden_size
+    indexer = 4 * context + 2 * m.index_n_heads * m.index_head_dim
+    attention = 2 * m.num_attention_heads * (m.latent_dim + m.kv_lora_rank) * 2
+    moe = m.num_experts_per_tok * (3 * m.hidden_size + 2 * 2 * m.moe_intermediate_size)
+    return base + max(indexer, attention, moe, 4 * m.vocab_size)
+
+
+def per_request_bytes(cfg: Config, context: int, offload: bool) -> dict[str, int]:
+    """Device bytes one request holds (cache parts) and host bytes it needs (no headroom).
+
+    As the engine allocates a batch slot (`jlco.engine.runner.allocate_cache`): the hot buffer
+    has staging_capacity rows whatever the context; `tables` are its int32 length and,
+    offloaded, its page-table row and the hot buffer's slot position + stamp per row."""
+    layers = cache_layers(cfg)
+    s_q = 1 + cfg.engine.num_draft_tokens
+    latent_rows = cfg.staging_capacity if offload else context
+    pages = -(-context // cfg.cache.page_size)
+    tables = 4 + (4 * pages + 8 * latent_rows * layers if offload else 0)
+    return dict(indexer=context * layers * cfg.indexer_key_bytes,
+                latent_device=latent_rows * layers * cfg.row_bytes, tables=tables,
+                activations=s_q * activation_bytes_per_token(cfg, context),
+                host=context * layers * cfg.row_bytes if offload else 0)
+
+
+def max_batch(cfg: Config, device_bytes: float, *, offload: bool | None = None,
+              ep: int = 1, context: int | None = None, reserve_bytes: float = 0.0,
+              weight_format: str = "fp8") -> int:
+    """Largest batch whose caches and activations fit in `device_bytes` beside the
+    weights and reserve (memory limit only; not capped by engine.max_batch_size)."""
+    offload = cfg.cache.offload if offload is None else offload
+    context = cfg.engine.max_context_len if context is None else context
+    free = device_bytes - reserve_bytes - weight_bytes(cfg.model, ep, weight_format).total
+    pr = per_request_bytes(cfg, context, offload)
+    per = pr["indexer"] + pr["latent_device"] + pr["tables"] + pr["activations"]
+    return max(0, int(free // per))
+
+
+@dataclasses.dataclass(frozen=True)
+class TransferCheck:
+    """Can one step's missed rows cross the host link while the step computes?"""
+    miss_rows_per_step: float
+    source: str
+    transfer_s: float
+    compute_s: float
+    hides: bool
+    warning: str
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+    config: str
+    hardware: str
+    ep: int
+    context: int
+    s_q: int
+    device_bytes: float
+    weights: WeightBytes
+    reserve_bytes: float
+    free_for_requests: float
+    per_request_offload: dict
+    per_request_no_offload: dict
+    max_batch_offload: int
+    max_batch_no_offload: int
+    config_cap: int
+    batch_offload: int
+    batch_no_offload: int
+    host_bytes_needed: float
+    transfer: TransferCheck | None
+
+    def as_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["weights"]["total"] = self.weights.total
+        return d
+
+
+def plan(cfg: Config, hw: HardwareProfile, *, ep: int = 1, context: int | None = None,
+         miss_rate: float | None = None, accept: float | None = None,
+         weight_format: str = "fp8", reserve_bytes: float | None = None,
+         check_transfer: bool = True) -> MemoryPlan:
+    """The seed's memory plan for `cfg` on one `hw` device (see the module docstring)."""
+    context = cfg.engine.max_context_len if context is None else context
+    if not isinstance(context, int) or context < 1:
+        raise ValueError(f"context={context!r} is invalid: allowed a positive integer")
+    reserve = hw.runtime_reserve_gb.value * 1e9 if reserve_bytes is None else reserve_bytes
+    w = weight_bytes(cfg.model, ep, weight_format)
+    kw = dict(ep=ep, context=context, reserve_bytes=reserve, weight_format=weight_format)
+    b_off = max_batch(cfg, hw.hbm_bytes, offload=True, **kw)
+    b_dev = max_batch(cfg, hw.hbm_bytes, offload=False, **kw)
+    cap = cfg.engine.max_batch_size
+    pr_off = per_request_bytes(cfg, context, True)
+    batch = min(b_off, cap)
+    host = batch * pr_off["host"] * (1.0 + cfg.cache.host_headroom)
+    xfer = (transfer_check(cfg, hw, batch, ep, context, miss_rate, accept)
+            if check_transfer and batch > 0 else None)
+    return MemoryPlan(cfg.name, hw.name, ep, context, 1 + cfg.engine.num_draft_tokens,
+                      hw.hbm_bytes, w, reserve, hw.hbm_bytes - reserve - w.total, pr_off,
+                      per_request_bytes(cfg, context, False), b_off, b_dev, cap, batch,
+                      min(b_dev, cap), host, xfer)
+
+
+def transfer_check(cfg: Config, hw: HardwareProfile, batch: int, ep: int, context: int,
+                   miss_rate: float | None = None, accept: float | None = None) -> TransferCheck:
+    """Missed rows per step (from `miss_rate` × lookups, else LRU replay of ESS-shaped
+    synthetic traces scaled by the simulator's fitted miss_scale) × row bytes ÷ host
+    link, against the simulator's roofline step time without misses."""
+    drafts = cfg.engine.num_draft_tokens
+    s_q = 1 + drafts
+    accept = 1.0 + 0.35 * drafts if accept is None else accept
+    layers = cfg.model.num_hidden_layers
+    setup = sim.Setup(hw=hw, model=cfg.model, context=context, num_draft=drafts,
+                      accept=accept, ep=ep, row_bytes=cfg.row_bytes,
+                      key_bytes=cfg.indexer_key_bytes)
+    consts = sim.fitted()
+    if miss_rate is not None:
+        if not 0.0 <= miss_rate <= 1.0:
+            raise ValueError(f"miss_rate={miss_rate} is invalid: allowed 0..1")
+        rows = miss_rate * batch * layers * cfg.model.index_topk * s_q
+        source = f"--miss_rate {miss_rate} x {cfg.model.index_topk} x s_q {s_q} lookups"
+    else:
+        per_req = sim.misses_at(setup, cfg.staging_capacity).sum()
+        rows = consts[sim.FIT_NAMES.index("miss_scale")] * per_req * batch
+        source = "ESS locality profile (synthetic LRU replay x fitted miss_scale)"
+    compute = float(sim.step_time(setup, batch, np.zeros(layers), np.array(consts)))
+    transfer = rows * cfg.row_bytes / hw.host_bw
+    hides = transfer <= compute
+    warn = "" if hides else (f"WARNING: {transfer * 1e3:.1f} ms of miss transfer per step "
+                             f"cannot hide behind {compute * 1e3:.1f} ms of compute")
+    return TransferCheck(float(rows), source, transfer, compute, hides, warn)
+
+
+def _gb(x: float) -> str:
+    return f"{x / 1e9:9.2f} GB"
+
+
+def format_table(p: MemoryPlan) -> str:
+    w = p.weights
+    rows = [f"plan: config {p.config} on {p.hardware}, EP {p.ep}, context {p.context}, "
+            f"s_q {p.s_q}",
+            f"device memory          {_gb(p.device_bytes)}",
+            f"weights on this rank   {_gb(w.total)}  ({w.params_rank / 1e9:.2f} B of "
+            f"{w.params_total / 1e9:.2f} B params)",
+            f"runtime reserve        {_gb(p.reserve_bytes)}",
+            f"free for requests      {_gb(p.free_for_requests)}"]
+    for name, pr in (("offload", p.per_request_offload), ("no offload", p.per_request_no_offload)):
+        rows.append(f"per request, {name:<10} indexer {_gb(pr['indexer'])}  latent on device "
+                    f"{_gb(pr['latent_device'])}  activations {_gb(pr['activations'])}")
+    rows += [f"largest batch, offload    {p.max_batch_offload:6d} (memory)  -> admitted "
+             f"{p.batch_offload} (engine.max_batch_size {p.config_cap})",
+             f"largest batch, no offload {p.max_batch_no_offload:6d} (memory)  -> admitted "
+             f"{p.batch_no_offload}",
+             f"host memory needed     {_gb(p.host_bytes_needed)} (batch {p.batch_offload}, "
+             f"with headroom)"]
+    t = p.transfer
+    if t is not None:
+        rows.append(f"transfer: {t.miss_rows_per_step:.0f} miss rows/step ({t.source}) -> "
+                    f"{t.transfer_s * 1e3:.2f} ms vs compute {t.compute_s * 1e3:.2f} ms")
+        if t.warning:
+            rows.append(t.warning)
+    return "\n".join(rows)

@@ -1,0 +1,310 @@
+"""Decode-throughput simulator for a DeepSeek-V3.2 decode node, with and without offload.
+
+Per GPU and per decode step (B requests, s_q = 1 + drafts query tokens each, T = B·s_q),
+every op is a roofline `max(FLOPs / (peak·eff), bytes / (HBM·eff_mem))` on the hardware
+profile; MoE all-to-all runs over the inter-node network; two-batch overlap (TBO) hides
+communication behind compute (layer time = max(compute, comm) + a fixed per-layer
+overhead); with offload, the H2D transfer of missed latent rows hides behind sparse
+attention over resident rows and half the indexer (ESS DBA, docs/facts.md §3) and the rest is
+exposed. Misses per layer come from replaying ESS-shaped synthetic top-k traces (LRU,
+`jlco.planning.trace`) at the hot-buffer size memory allows. Throughput per node =
+gpus_per_node · B · accepted / step time.
+
+Four constants are fitted on ESS's five 32K calibration rows (`FIT_NAMES`); everything
+else is setup (hardware profile, ESS's PCIe and FlashMLA figures). `python -m jlco.sim`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import numpy as np
+
+from jlco.config import ModelConfig
+from jlco.planning import trace
+from jlco.planning.hardware import HardwareProfile, get_hardware
+from jlco.planning.params import param_counts
+
+FIT_NAMES = ("gemm_eff", "mem_eff", "net_eff", "miss_scale", "layer_overhead_us")
+# FlashMLA sparse decode reaches ~410 TFLOP/s on H800 (bf16 peak 989): docs/facts.md §2.
+MLA_EFF = 410.0 / 989.0
+# ESS calibration rows (docs/facts.md §3): 32K, MTP 2, accept 1.7, EP 32; (batch, ratio, tok/s).
+ESS_ROWS = ((52, 1.00, 9647.71), (64, 0.82, 10693.31), (96, 0.48, 13155.98),
+            (128, 0.31, 15620.14), (160, 0.21, 16347.88))
+# Largest KV bytes the ESS table keeps per GPU: 160 × 32768 × 61 × (656·0.21 + 132).
+ESS_KV_BUDGET = 160 * 32768 * 61 * (656 * 0.21 + 132)
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """One decode deployment. Defaults = ESS: 4 nodes × 8 GPUs, EP 32, TP 1, PCIe 5 with
+    FlashTrans gather (37 GB/s H2D, 43 GB/s D2H), 400 Gb/s RDMA NIC per GPU (50 GB/s;
+    setup assumption, ESS does not state it), H200 (the KV budget implies ~141 GB)."""
+    hw: HardwareProfile = get_hardware("h200")
+    model: ModelConfig = ModelConfig()
+    context: int = 32768
+    num_draft: int = 2
+    accept: float = 1.7
+    ep: int = 32
+    gpus_per_node: int = 8
+    tbo: bool = True
+    h2d_gbps: float = 37.0
+    d2h_gbps: float = 43.0
+    net_gbps: float = 50.0
+    row_bytes: int = 656
+    key_bytes: int = 132
+    kv_budget: float = ESS_KV_BUDGET
+
+    @property
+    def s_q(self) -> int:
+        return 1 + self.num_draft
+
+
+def _ops(m: ModelConfig, s: Setup, batch: int) -> dict[str, np.ndarray]:
+    """FLOPs / bytes per layer (arrays over the 61 layers) and per step (heads, MTP)."""
+    L, T, n_mb = s.context, batch * s.s_q, 2 if s.tbo else 1
+    p = param_counts(m)
+    moe = np.array([m.is_moe_layer(i) for i in range(m.num_hidden_layers)])
+    experts = -(-m.n_routed_experts // s.ep)
+    ffn_w = np.where(moe, (experts + m.n_shared_experts) * p["expert"], p["dense_ffn"])
+    ffn_tok = np.where(moe, (m.num_experts_per_tok + m.n_shared_experts) * p["expert"],
+                       p["dense_ffn"])
+    attn = p["attention"] + p["indexer"]
+    hidden_bytes = m.num_experts_per_tok * m.hidden_size * 3  # fp8 dispatch + bf16 combine
+    inter_node = 1.0 - s.gpus_per_node / s.ep if s.ep > s.gpus_per_node else 0.0
+    return dict(
+        gemm_f=2.0 * T * (attn + ffn_tok), gemm_b=n_mb * (attn + ffn_w) * np.ones(len(moe)),
+        idx_f=2.0 * T * L * m.index_n_heads * m.index_head_dim * np.ones(len(moe)),
+        idx_b=(batch * L * s.key_bytes + 2.0 * T * L * 4) * np.ones(len(moe)),
+        mla_f=2.0 * T * m.index_topk * m.num_attention_heads * (m.latent_dim + m.kv_lora_rank)
+        * np.ones(len(moe)),
+        comm_b=np.where(moe, T * hidden_bytes * inter_node, 0.0),
+        head_f=2.0 * T * m.vocab_size * m.hidden_size, head_b=2.0 * m.vocab_size * m.hidden_size,
+        mtp_f=2.0 * batch * (attn + (m.num_experts_per_tok + m.n_shared_experts) * p["expert"]
+                             + 2 * m.hidden_size ** 2 + m.vocab_size * m.hidden_size),
+        mtp_b=attn + (experts + m.n_shared_experts) * p["expert"] + 2 * m.hidden_size ** 2
+        + 2.0 * m.vocab_size * m.hidden_size,
+    )
+
+
+def step_time(s: Setup, batch: int, misses: np.ndarray, c: np.ndarray) -> np.ndarray:
+    """Step seconds. `misses`: missed rows per request per layer per step ([layers]).
+    `c`: constants, shape [..., 5] in FIT_NAMES order (broadcast, for grid fitting)."""
+    c = np.asarray(c, float)
+    ge, me, ne, ms, oh = (c[..., i][..., None] for i in range(5))
+    o, hw = _ops(s.model, s, batch), s.hw
+    fp8, bf16, bw = hw.flops("fp8"), hw.flops("bf16"), hw.hbm_bw
+    gemm = np.maximum(o["gemm_f"] / (fp8 * ge), o["gemm_b"] / (bw * me))
+    idx = np.maximum(o["idx_f"] / (fp8 * ge), o["idx_b"] / (bw * me))
+    mla = o["mla_f"] / (bf16 * MLA_EFF)
+    comm = o["comm_b"] / (s.net_gbps * 1e9 * ne)
+    compute = gemm + idx + mla
+    layer = np.maximum(compute, comm) if s.tbo else compute + comm
+    xfer = ms * batch * misses * s.row_bytes / (s.h2d_gbps * 1e9)
+    exposed = np.maximum(0.0, xfer - (mla + 0.5 * idx))
+    per_layer = layer + exposed + oh * 1e-6
+    head = np.maximum(o["head_f"] / (bf16 * ge), o["head_b"] / (bw * me))[..., 0]
+    mtp_layer = np.maximum(o["mtp_f"] / (fp8 * ge), o["mtp_b"] / (bw * me))[..., 0]
+    mtp = s.num_draft * (mtp_layer + (idx[..., 0] + mla[..., 0]) / s.s_q + oh[..., 0] * 1e-6)
+    return per_layer.sum(-1) + head + mtp
+
+
+@functools.lru_cache(maxsize=16)
+def miss_curve(context: int, topk: int, num_layers: int, s_q: int, accept: float,
+               steps: int = 32, warm: int = 12) -> tuple[np.ndarray, np.ndarray]:
+    """(capacities, misses[layers, capacities]): mean missed rows per request per step
+    under LRU for ESS-shaped synthetic traces. Layers with the same overlap (rounded to
+    0.1) share one replay; the first `warm` steps stand in for ESS's prefill warm-up."""
+    prof = np.round(trace.ess_overlap_profile(num_layers), 1)
+    caps = np.unique(np.geomspace(topk * s_q, context, 28).astype(np.int64))
+    out = np.zeros((num_layers, caps.size))
+    for ov in np.unique(prof):
+        sets = trace.synthetic_layer(context, topk, steps + warm, float(ov), s_q, accept,
+                                     seed=int(ov * 100))
+        ranks, n = trace.lru_stack_ranks(sets, warmup=warm)
+        out[prof == ov] = [(ranks >= cap).sum() / n for cap in caps]
+    return caps, out
+
+
+def misses_at(s: Setup, hot_rows: float) -> np.ndarray:
+    """Missed rows per request per step for each layer at `hot_rows` hot-buffer rows."""
+    if hot_rows >= s.context:
+        return np.zeros(s.model.num_hidden_layers)
+    caps, mc = miss_curve(s.context, s.model.index_topk, s.model.num_hidden_layers, s.s_q,
+                          s.accept)
+    return np.array([np.interp(hot_rows, caps, row) for row in mc])
+
+
+def hot_rows_for(s: Setup, batch: int) -> float:
+    """Hot rows per request per layer when `batch` requests fill the KV budget."""
+    layers = s.model.num_hidden_layers
+    per_req = s.kv_budget / (batch * layers)
+    return min(float(s.context), (per_req - s.context * s.key_bytes) / s.row_bytes)
+
+
+def ess_setups() -> list[tuple[Setup, int, float, float]]:
+    """The calibration rows as (setup, batch, ratio r, target step seconds)."""
+    s = Setup()
+    return [(s, b, r, s.gpus_per_node * b * s.accept / tps) for b, r, tps in ESS_ROWS]
+
+
+def fit(grid: int = 13, rounds: int = 3) -> dict[str, float]:
+    """Fit FIT_NAMES on the ESS rows: grid search over the efficiencies and the miss
+    scale, the per-layer overhead by weighted least squares (it enters linearly), then
+    finer grids around the best point. Minimises the squared relative step-time error.
+    Efficiencies stay in (0, 1]; miss_scale (real misses / synthetic-trace misses) in
+    (0, 1.5]."""
+    rows = ess_setups()
+    miss = [misses_at(s, r * s.context) for s, _, r, _ in rows]
+    y = np.array([t for *_, t in rows])
+    w = 1.0 / y ** 2
+    n_oh = 1e-6 * (rows[0][0].model.num_hidden_layers + rows[0][0].num_draft)
+    bound_lo, bound_hi = np.array([0.1, 0.2, 0.1, 0.0]), np.array([1.0, 1.0, 1.0, 1.5])
+    lo, hi, best = bound_lo.copy(), bound_hi.copy(), None
+    for _ in range(rounds):
+        axes = [np.linspace(a, b, grid) for a, b in zip(lo, hi)]
+        g = np.stack(np.meshgrid(*axes, indexing="ij"), -1).reshape(-1, 4)
+        c = np.concatenate([g, np.zeros((len(g), 1))], 1)
+        base = np.stack([step_time(s, b, mi, c) for (s, b, _, _), mi in zip(rows, miss)], 1)
+        oh = np.clip(((y - base) * w).sum(1) / (n_oh * w.sum()), 0.0, None)
+        err = (((base + oh[:, None] * n_oh - y) / y) ** 2).sum(1)
+        i = int(np.argmin(err))
+        best = np.append(g[i], oh[i])
+        span = 2 * (hi - lo) / (grid - 1)
+        lo, hi = np.maximum(g[i] - span, bound_lo), np.minimum(g[i] + span, bound_hi)
+    return dict(zip(FIT_NAMES, map(float, best)))
+
+
+@functools.lru_cache(maxsize=1)
+def fitted() -> tuple[float, ...]:
+    """The fitted constants (computed once per process)."""
+    f = fit()
+    return tuple(f[k] for k in FIT_NAMES)
+
+
+def throughput(s: Setup, batch: int, offload: bool, consts=None) -> dict:
+    """Node tokens/s, OTPS and step time at `batch` (offload: hot rows fill the budget)."""
+    consts = fitted() if consts is None else consts
+    hot = hot_rows_for(s, batch) if offload else float(s.context)
+    misses = misses_at(s, hot) if offload else np.zeros(s.model.num_hidden_layers)
+    t = float(step_time(s, batch, misses, np.array(consts)))
+    return dict(batch=batch, hot_rows=hot, ratio=hot / s.context, step_ms=1e3 * t,
+                otps=s.accept / t, node_tokens_s=s.gpus_per_node * batch * s.accept / t,
+                miss_rows_per_req_step=float(misses.sum()))
+
+
+def batch_limits(s: Setup) -> tuple[int, int]:
+    """(no-offload, offload) memory limits at the same KV budget. With offload the hot
+    buffer must hold topk × s_q rows (the engine's staging minimum, `Config`)."""
+    layers = s.model.num_hidden_layers
+    full = s.context * layers * (s.row_bytes + s.key_bytes)
+    min_hot = s.model.index_topk * s.s_q
+    offl = s.context * layers * s.key_bytes + min_hot * layers * s.row_bytes
+    return int(s.kv_budget // full), int(s.kv_budget // offl)
+
+
+def predict(s: Setup, consts=None, max_points: int = 40) -> dict:
+    """Best throughput with and without offload at the same KV budget, and the curve."""
+    b_dev, b_off = batch_limits(s)
+    no_off = [throughput(s, b, False, consts) for b in _batches(1, b_dev, max_points)]
+    off = [throughput(s, b, True, consts) for b in _batches(1, b_off, max_points)]
+    best_off = max(off, key=lambda d: d["node_tokens_s"])
+    best_dev = no_off[-1]
+    return dict(context=s.context, num_draft=s.num_draft, accept=s.accept,
+                batch_limit_no_offload=b_dev, batch_limit_offload=b_off,
+                no_offload=best_dev, offload=best_off,
+                speedup=best_off["node_tokens_s"] / best_dev["node_tokens_s"],
+                curve_no_offload=no_off, curve_offload=off)
+
+
+def _batches(lo: int, hi: int, n: int) -> list[int]:
+    if hi < lo:
+        return []
+    return sorted(set(np.unique(np.linspace(lo, hi, n).astype(int)).tolist()) | {hi})
+
+
+PREDICTIONS = (("32k_mtp4_accept2.8", 32768, 4, 2.8), ("32k_mtp4_accept3.4", 32768, 4, 3.4),
+               ("128k_mtp2_accept1.7", 131072, 2, 1.7))
+
+
+def run(hardware: str = "h200") -> dict:
+    """Fit, check calibration, predict the held-out ESS setups: everything `--json` prints."""
+    hw = get_hardware(hardware)
+    consts = fitted()
+    calib = []
+    for s, b, r, y in ess_setups():
+        s = dataclasses.replace(s, hw=hw)
+        t = float(step_time(s, b, misses_at(s, r * s.context), np.array(consts)))
+        tps = s.gpus_per_node * b * s.accept / t
+        target = s.gpus_per_node * b * s.accept / y
+        calib.append(dict(batch=b, ratio=r, target_tokens_s=target, sim_tokens_s=tps,
+                          target_otps=s.accept / y, sim_otps=s.accept / t,
+                          error_pct=100.0 * (tps / target - 1.0)))
+    preds = {}
+    for name, ctx, drafts, acc in (("32k_mtp2_accept1.7", 32768, 2, 1.7),) + PREDICTIONS:
+        preds[name] = predict(Setup(hw=hw, context=ctx, num_draft=drafts, accept=acc), consts)
+    caps, mc = miss_curve(32768, 2048, 61, 3, 1.7)
+    return dict(
+        hardware=hw.as_dict(),
+        hardware_choice="ESS does not name its GPU; its KV budget (82-86 GB/GPU beside "
+                        "~40 GB of EP32 weights) implies a ~141 GB part: H200 SXM.",
+        setup=dict(ep=32, gpus_per_node=8, tbo=True, h2d_gbps=37.0, net_gbps=50.0,
+                   kv_budget_bytes=ESS_KV_BUDGET, mla_eff_from_flashmla=MLA_EFF),
+        fitted_constants=dict(zip(FIT_NAMES, consts)), calibration=calib,
+        max_abs_calibration_error_pct=max(abs(c["error_pct"]) for c in calib),
+        predictions={k: v for k, v in preds.items() if k != "32k_mtp2_accept1.7"},
+        calibration_setup_curves=preds["32k_mtp2_accept1.7"],
+        miss_curve_32k_mtp2=dict(capacities=caps.tolist(),
+                                 misses_per_req_step_all_layers=mc.sum(0).tolist()))
+
+
+def plot(out: dict, plot_dir: str) -> list[str]:
+    """throughput_vs_batch.png (per setup, with/without offload) and misses_vs_hot.png."""
+    import os
+
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    os.makedirs(plot_dir, exist_ok=True)
+    setups = dict(out["predictions"], **{"32k_mtp2_accept1.7 (calibration)":
+                                         out["calibration_setup_curves"]})
+    fig, axes = plt.subplots(1, len(setups), figsize=(5 * len(setups), 4), squeeze=False)
+    for ax, (name, p) in zip(axes[0], setups.items()):
+        for key, label in (("curve_no_offload", "no offload"), ("curve_offload", "offload")):
+            ax.plot([d["batch"] for d in p[key]], [d["node_tokens_s"] for d in p[key]],
+                    marker=".", label=label)
+        ax.set(title=name, xlabel="batch per GPU", ylabel="node tokens/s")
+        ax.legend()
+    paths = [os.path.join(plot_dir, "throughput_vs_batch.png")]
+    fig.tight_layout()
+    fig.savefig(paths[0], dpi=100)
+    plt.close(fig)
+    mc = out["miss_curve_32k_mtp2"]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(mc["capacities"], mc["misses_per_req_step_all_layers"], marker=".")
+    ax.set(xscale="log", xlabel="hot-buffer rows per request per layer",
+           ylabel="synthetic LRU misses / request / step (61 layers)",
+           title="32K, MTP 2 (s_q 3), ESS overlap profile")
+    paths.append(os.path.join(plot_dir, "misses_vs_hot.png"))
+    fig.tight_layout()
+    fig.savefig(paths[1], dpi=100)
+    plt.close(fig)
+    return paths
+
+
+def format_table(out: dict) -> str:
+    lines = ["fitted constants: " + ", ".join(f"{k}={v:.4g}" for k, v in
+                                               out["fitted_constants"].items()),
+             f"{'batch':>6} {'r':>5} {'target tok/s':>13} {'sim tok/s':>10} {'err %':>7}"]
+    for c in out["calibration"]:
+        lines.append(f"{c['batch']:>6} {c['ratio']:>5.2f} {c['target_tokens_s']:>13.1f} "
+                     f"{c['sim_tokens_s']:>10.1f} {c['error_pct']:>7.2f}")
+    lines.append(f"{'prediction':<22} {'B dev':>6} {'tok/s dev':>10} {'B off':>6} {'r':>5} "
+                 f"{'tok/s off':>10} {'x':>5}")
+    for name, p in out["predictions"].items():
+        d, o = p["no_offload"], p["offload"]
+        lines.append(f"{name:<22} {d['batch']:>6} {d['node_tokens_s']:>10.1f} {o['batch']:>6} "
+                     f"{o['ratio']:>5.2f} {o['node_tokens_s']:>10.1f} {p['speedup']:>5.2f}")
+    return "\n".join(lines)

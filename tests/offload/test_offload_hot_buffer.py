@@ -1,0 +1,154 @@
+"""resolve() against the independent OrderedDict reference, crafted traces with known
+hit counts, duplicates, invalid ids, capacity checks, insert_new and clear_requests."""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jlco.offload.hot_buffer import (
+    POLICIES,
+    ReferenceCache,
+    clear_requests,
+    gather_slots,
+    init_hot_buffer,
+    insert_new,
+    resolve,
+    scatter_rows,
+)
+
+_resolve = jax.jit(resolve, static_argnums=4)
+
+
+def _run_trace(trace, capacity, policy):
+    """trace int [steps, b, s_q, k] → per-step (n_hit, n_miss) [steps, b]; checks the
+    reference and slot-table invariants at every step."""
+    steps, b = trace.shape[:2]
+    sp = jnp.full((b, capacity), -1, jnp.int32)
+    st = jnp.full((b, capacity), -1, jnp.int32)
+    refs = [ReferenceCache(capacity, policy) for _ in range(b)]
+    hits = np.zeros((steps, b), int)
+    for t in range(steps):
+        pos = trace[t]
+        r = _resolve(sp, st, jnp.asarray(pos, jnp.int32), t, policy)
+        sp, st = r.slot_pos, r.slot_stamp
+        for i in range(b):
+            ref_hit, ref_miss = refs[i].step(pos[i].ravel())
+            assert (int(r.n_hit[i]), int(r.n_miss[i])) == (ref_hit, ref_miss), (t, i)
+            assert int(r.n_lookup[i]) == ref_hit + ref_miss
+            table = np.asarray(sp[i])
+            assert set(table[table >= 0].tolist()) == refs[i].resident(), (t, i)
+            assert len(set(table[table >= 0].tolist())) == (table >= 0).sum()
+            sid = np.asarray(r.slot_ids[i])
+            np.testing.assert_array_equal(sid >= 0, pos[i] >= 0)
+            np.testing.assert_array_equal(table[sid[pos[i] >= 0]], pos[i][pos[i] >= 0])
+            miss = np.asarray(r.miss_pos[i])
+            vic = np.asarray(r.victim_slot[i])
+            n = int(r.n_miss[i])
+            assert (miss[n:] == -1).all() and (vic[n:] == -1).all()
+            assert (np.diff(miss[:n]) > 0).all() and len(set(vic[:n])) == n
+            np.testing.assert_array_equal(table[vic[:n]], miss[:n])
+            hits[t, i] = ref_hit
+    return hits
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("s_q,k,extra", [(1, 8, 0), (3, 4, 0), (1, 8, 9), (3, 4, 7)])
+def test_random_traces_match_reference(policy, s_q, k, extra):
+    rng = np.random.default_rng(s_q * 100 + k + extra)
+    cap = s_q * k + extra
+    trace = rng.integers(-1, 3 * cap, (25, 2, s_q, k))   # duplicates and −1s included
+    hits = _run_trace(trace, cap, policy)
+    assert hits.sum() > 0
+
+
+def test_crafted_trace_known_hits_lru_vs_fifo():
+    # capacity 4, k 2. After step 3, LRU has evicted {2,3}, FIFO {0,2}: step 4 asks {0,2}.
+    trace = np.array([[0, 1], [2, 3], [0, 4], [1, 5], [0, 2]])[:, None, None, :]
+    assert _run_trace(trace, 4, "lru")[:, 0].tolist() == [0, 0, 1, 0, 1]
+    assert _run_trace(trace, 4, "fifo")[:, 0].tolist() == [0, 0, 1, 0, 0]
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_sliding_window_reuse(policy):
+    # step t selects [t, t+k): k-1 of k rows are reused each step.
+    k, steps = 6, 10
+    trace = (np.arange(steps)[:, None] + np.arange(k))[:, None, None, :]
+    hits = _run_trace(trace, k, policy)
+    assert hits.sum() == (steps - 1) * (k - 1)
+
+
+def test_duplicates_share_one_slot_and_one_miss():
+    pos = jnp.array([[[5, 5, -1], [5, 7, 7]]], jnp.int32)      # b 1, s_q 2, k 3
+    hb = init_hot_buffer(1, 1, 6, 4)
+    r = resolve(hb.slot_pos[0], hb.slot_stamp[0], pos, 0)
+    assert int(r.n_miss[0]) == 2 and int(r.n_lookup[0]) == 2
+    sid = np.asarray(r.slot_ids[0])
+    assert sid[0, 0] == sid[0, 1] == sid[1, 0] and sid[0, 2] == -1 and sid[1, 1] == sid[1, 2]
+    assert np.asarray(r.miss_pos[0]).tolist() == [5, 7, -1, -1, -1, -1]
+
+
+def test_capacity_below_minimum_names_it():
+    hb = init_hot_buffer(1, 1, 5, 4)
+    with pytest.raises(ValueError, match=r"minimum is s_q \* topk = 2 \* 3 = 6"):
+        resolve(hb.slot_pos[0], hb.slot_stamp[0], jnp.zeros((1, 2, 3), jnp.int32), 0)
+    with pytest.raises(ValueError, match="policy='mru'"):
+        resolve(hb.slot_pos[0], hb.slot_stamp[0], jnp.zeros((1, 1, 3), jnp.int32), 0, "mru")
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_insert_new_then_resolve_hits_and_matches_reference(policy):
+    b, cap, rb = 2, 4, 3
+    hb = init_hot_buffer(1, b, cap, rb)
+    rows, sp, st = hb.rows[0], hb.slot_pos[0], hb.slot_stamp[0]
+    refs = [ReferenceCache(cap, policy) for _ in range(b)]
+    ins = jax.jit(functools.partial(insert_new, policy=policy))
+    for t in range(6):
+        new_pos = jnp.array([[t], [t + 100]], jnp.int32)
+        new_rows = jnp.stack([jnp.full((1, rb), t + 1), jnp.full((1, rb), t + 50)]).astype(jnp.uint8)
+        rows, sp, st = ins(rows, sp, st, new_pos, new_rows, t)
+        for i in range(b):
+            refs[i].step([int(new_pos[i, 0])])
+        sel = jnp.array([[[t, max(t - 3, 0)]], [[t + 100, 100]]], jnp.int32)
+        r = resolve(sp, st, sel, t, policy)
+        for i in range(b):
+            assert (int(r.n_hit[i]), int(r.n_miss[i])) == refs[i].step(np.asarray(sel[i]).ravel())
+        assert int(r.n_hit[0]) >= 1 and int(r.n_hit[1]) >= 1     # the new token is a hit
+        got = np.asarray(gather_slots(rows, r.slot_ids))
+        assert (got[0, 0, 0] == t + 1).all() and (got[1, 0, 0] == t + 50).all()
+        sp, st = r.slot_pos, r.slot_stamp
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_insert_new_equals_resolve_then_scatter(policy):
+    """insert_new's sort-free path must give resolve's slots, tables and rows exactly.
+    Each of 64 batch entries is a random case: tables with empty slots and tied stamps,
+    new positions that hit, miss, repeat or are invalid (−1)."""
+    rng = np.random.default_rng(1)
+    b, cap, n = 64, 6, 3
+    sp, st = np.full((b, cap), -1, np.int32), np.full((b, cap), -1, np.int32)
+    for i in range(b):
+        k = int(rng.integers(0, cap + 1))
+        sl = rng.choice(cap, k, replace=False)
+        sp[i, sl], st[i, sl] = rng.choice(12, k, replace=False), rng.integers(0, 3, k)
+    new_pos = rng.integers(-1, 12, (b, n)).astype(np.int32)
+    rows = rng.integers(0, 255, (b, cap, 2)).astype(np.uint8)
+    new_rows = rng.integers(0, 255, (b, n, 2)).astype(np.uint8)
+    res = resolve(jnp.asarray(sp), jnp.asarray(st), jnp.asarray(new_pos)[:, None], 5, policy)
+    want = (scatter_rows(jnp.asarray(rows), res.slot_ids[:, 0], jnp.asarray(new_rows)),
+            res.slot_pos, res.slot_stamp)
+    got = insert_new(jnp.asarray(rows), jnp.asarray(sp), jnp.asarray(st),
+                     jnp.asarray(new_pos), jnp.asarray(new_rows), 5, policy)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    assert (np.asarray(res.n_hit) > 0).any() and (np.asarray(res.n_miss) > 1).any()
+
+
+def test_clear_requests_empties_only_freed_batch_entries():
+    hb = init_hot_buffer(2, 3, 4, 2)
+    hb = hb._replace(slot_pos=jnp.ones_like(hb.slot_pos), slot_stamp=jnp.ones_like(hb.slot_stamp))
+    out = clear_requests(hb, jnp.array([False, True, False]))
+    sp = np.asarray(out.slot_pos)
+    assert (sp[:, 1] == -1).all() and (sp[:, [0, 2]] == 1).all()
+    assert (np.asarray(out.slot_stamp)[:, 1] == -1).all()
