@@ -59,7 +59,8 @@ def define_flags() -> None:
     flags.DEFINE_integer("max_batch_cap", 256, "never run a batch above this")
     flags.DEFINE_float("ram_fraction", 0.7, "cap batches so a run needs at most this fraction "
                        "of MemAvailable")
-    flags.DEFINE_enum("impl", "xla", ["xla", "auto", "pallas"], "attention/indexer impl")
+    flags.DEFINE_enum("impl", "xla", ["xla", "auto", "pallas", "interpret"],
+                      "attention/indexer impl")
     flags.DEFINE_integer("seed", 0, "model and context seed")
     flags.DEFINE_string("out", "bench_decode.json", "JSON output path")
     flags.DEFINE_string("plot", "", "PNG plot path ('' = beside --out, 'none' = no plot)")
@@ -93,9 +94,9 @@ def shape_model(model: DeepseekV32, common: float, seed: int) -> None:
 def device_and_host_bytes(eng: Engine) -> tuple[int, int]:
     """Bytes the engine's cache really holds on device and in host memory."""
     c = eng.runner.cache
-    dev = c.index_k.nbytes + (0 if c.index_scale is None else c.index_scale.nbytes)
+    dev = sum(x.nbytes for x in c.index_k + (c.index_scale or ()))
     if not eng.runner.offload:
-        return dev + c.latent.nbytes, 0
+        return dev + sum(x.nbytes for x in c.latent), 0
     lat = c.latent
     dev += lat.rows.nbytes + lat.slot_pos.nbytes + lat.slot_stamp.nbytes + lat.page_table.nbytes
     return dev, sum(h.nbytes for h in lat.host)

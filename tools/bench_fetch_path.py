@@ -27,7 +27,8 @@ def define_flags() -> None:
     flags.DEFINE_integer("prompt", 150, "prompt tokens of the first request (+10 per request)")
     flags.DEFINE_integer("steps", 40, "timed decode steps (median reported)")
     flags.DEFINE_integer("warmup", 12, "untimed steps first (compiles, hot-buffer fill)")
-    flags.DEFINE_enum("impl", "xla", ["xla", "auto", "pallas"], "attention/indexer impl")
+    flags.DEFINE_enum("impl", "xla", ["xla", "auto", "pallas", "interpret"],
+                      "attention/indexer impl")
     flags.DEFINE_string("out", "", "JSON output path ('' = none)")
 
 

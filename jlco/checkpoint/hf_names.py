@@ -25,7 +25,8 @@ _ATTN = [("q_a_proj.weight", ("q_a_proj", "weight"), True),
          ("q_b_proj.weight", ("q_b_proj", "weight"), True),
          ("kv_a_proj_with_mqa.weight", ("kv_a_proj_with_mqa", "weight"), True),
          ("kv_a_layernorm.weight", ("kv_a_layernorm", "weight"), False),
-         ("kv_b_proj.weight", ("kv_b_proj", "weight"), True),
+         ("kv_b_proj.weight", ("kv_b_proj", "w_uk"), ("heads", "nope")),
+         ("kv_b_proj.weight", ("kv_b_proj", "w_uv"), ("heads", "value")),
          ("o_proj.weight", ("o_proj", "weight"), True),
          ("indexer.wq_b.weight", ("indexer", "wq_b", "weight"), True),
          ("indexer.wk.weight", ("indexer", "wk", "weight"), True),
@@ -38,7 +39,8 @@ _OPTIONAL_MTP = "embed_tokens.weight"
 
 def _block_entries(cfg: ModelConfig, hf: str, ours: tuple, moe: bool):
     """Yield (hf name, torch shape, our path, transform) for one decoder block.
-    transform: True = transpose, False = as is, ("expert", e) = row e of a stacked tensor."""
+    transform: True = transpose, False = as is, ("expert", e) = row e of a stacked tensor,
+    ("heads", half) = the nope / value half of kv_b_proj as [h, n or v, c]."""
     d, h = cfg.hidden_size, cfg.num_attention_heads
     attn_shapes = {
         "q_a_proj.weight": (cfg.q_lora_rank, d), "q_a_layernorm.weight": (cfg.q_lora_rank,),
@@ -137,9 +139,13 @@ def model_from_hf(cfg: ModelConfig, tensors: Mapping[str, np.ndarray], *,
     flat = {tuple(p): v for p, v in nnx.to_flat_state(state)}
     stacks: dict[tuple, list] = {}
     values: dict[tuple, np.ndarray] = {}
+    h, nope = cfg.num_attention_heads, cfg.qk_nope_head_dim
     for name, _, path, how in entries:
         arr = np.asarray(tensors[name])
-        if isinstance(how, tuple):
+        if isinstance(how, tuple) and how[0] == "heads":
+            per_head = arr.reshape(h, -1, arr.shape[-1])          # [h, n+v, c]
+            values[path] = per_head[:, :nope] if how[1] == "nope" else per_head[:, nope:]
+        elif isinstance(how, tuple):
             stacks.setdefault(path, []).append(arr.T)
         else:
             values[path] = arr.T if how else arr

@@ -134,7 +134,8 @@ def _pre(spec, leaves, cache: DecodeCache, layer, x, cos, sin, positions):
         lat, rows=lat.rows.at[layer].set(rows), slot_pos=lat.slot_pos.at[layer].set(pos),
         slot_stamp=lat.slot_stamp.at[layer].set(stamp),
         stats=lat.stats.at[layer, STAT_D2H].add((ids >= 0).sum(dtype=jnp.int32)))
-    cache = kv_cache.write_index_key(dataclasses.replace(cache, latent=lat), layer, ik, positions)
+    # `cache` is a `kv_cache.layer_view`: this layer's keys are its layer 0.
+    cache = kv_cache.write_index_key(dataclasses.replace(cache, latent=lat), 0, ik, positions)
     return cache, q, iq, iw, ids.reshape(-1), data.reshape(-1, data.shape[-1])
 
 
@@ -144,7 +145,7 @@ def _select(spec, leaves, cache: DecodeCache, layer, b0, iq, iw, kernel_lengths,
     """Micro-batch [b0, b0+nb): top-k, resolve (as `offload.latent.latent_for_attention`)
     → (cache, slot ids [nb,s,k], missed host ids [nb,M], flat destinations [nb,M] into
     rows[layer].reshape(b*m, R), −1 = none)."""
-    keys, scale = kv_cache.index_keys(cache, layer)
+    keys, scale = kv_cache.index_keys(cache, 0)   # a `kv_cache.layer_view`
     topk = _block(spec, leaves).self_attn.indexer.topk(
         _slice(iq, b0, nb), _slice(iw, b0, nb), _slice(keys, b0, nb),
         None if scale is None else _slice(scale, b0, nb), _slice(kernel_lengths, b0, nb),
@@ -216,9 +217,10 @@ _end = jax.jit(_end_forward, donate_argnums=2)
 
 
 @functools.partial(jax.jit, donate_argnums=2)
-def _end_decode(graphdef, state, cache, x, active, saved_table, temps, keys):
+def _end_decode(graphdef, state, cache, x, active, saved_table, temps, seeds, counts):
     logits, cache = _end_forward(graphdef, state, cache, x, active, saved_table)
-    tok, logp = engine_steps.sample_rows(logits[:, -1], temps, keys)
+    tok, logp = engine_steps.sample_rows(logits[:, -1], temps,
+                                         engine_steps.request_keys(seeds, counts))
     return tok, logp, cache
 
 
@@ -294,10 +296,11 @@ class HostDriven:
         cache, saved, x = self._layers(graphdef, state, cache, tokens, active, record=False)
         return _end(graphdef, state, cache, x, active, saved)
 
-    def decode_step(self, graphdef, state, cache: DecodeCache, tokens, active, temps, keys):
+    def decode_step(self, graphdef, state, cache: DecodeCache, tokens, active, temps, seeds,
+                    counts):
         """As `engine_steps.decode_step`: → (tokens [b], logprobs [b], cache)."""
         cache, saved, x = self._layers(graphdef, state, cache, tokens, active, record=True)
-        return _end_decode(graphdef, state, cache, x, active, saved, temps, keys)
+        return _end_decode(graphdef, state, cache, x, active, saved, temps, seeds, counts)
 
     def install(self, cache: DecodeCache, temp: DecodeCache, slot, n, page_row):
         """As `engine_steps.install`, plus the prefilled rows into the host pool."""
@@ -307,7 +310,7 @@ class HostDriven:
         page = table[np.minimum(pos // p, len(table) - 1)]
         ids = np.where((pos < n) & (pos // p < len(table)) & (page >= 0), page * p + pos % p, -1)
         for layer in range(len(self._ids)):
-            self.pool.write(layer, ids, temp.latent[layer, 0])
+            self.pool.write(layer, ids, temp.latent[layer][0])
         return cache
 
     def warm_up(self, cache: DecodeCache, slot, record):
@@ -336,6 +339,7 @@ class HostDriven:
     def _layer(self, i, gd, st, cache, x, cos, sin, positions, lengths, record: bool):
         """One layer, two micro-batches overlapped (see the module docstring)."""
         layer = self._ids[i]
+        full, cache = cache, kv_cache.layer_view(cache, i)
         cache, q, iq, iw, new_ids, new_rows = _pre(gd, st, cache, layer, x, cos, sin, positions)
         self.pool.write(i, new_ids, new_rows)
         selected = []
@@ -349,7 +353,7 @@ class HostDriven:
             cache = dataclasses.replace(cache, latent=dataclasses.replace(cache.latent, rows=rows))
             outs.append(_attend(gd, st, rows, layer, self._b0[b0], q, slot_ids, nb=nb,
                                 kv_format=cache.kv_format, impl=self.impl))
-        return cache, _post(gd, st, x, tuple(outs))
+        return kv_cache.with_layer(full, i, cache), _post(gd, st, x, tuple(outs))
 
     # ---- host work ---------------------------------------------------------------
     def _fetch(self, rows, layer: int, miss_ids, dest, record: bool):

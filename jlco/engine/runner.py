@@ -260,13 +260,14 @@ class ModelRunner:
         tokens = np.zeros((self.batch, 1), np.int32)
         active = np.zeros((self.batch,), bool)
         temps = np.zeros((self.batch,), np.float32)
-        keys = np.zeros((self.batch, 2), np.uint32)
+        seeds = np.zeros((self.batch,), np.uint32)
+        counts = np.zeros((self.batch,), np.int32)
         for r in running:
             tokens[r.slot, 0], active[r.slot], temps[r.slot] = r.tokens[-1], True, r.temperature
-            keys[r.slot] = sample_key(r.seed, len(r.tokens))
+            seeds[r.slot], counts[r.slot] = r.seed, len(r.tokens)
         t0 = time.perf_counter()
         tok, logp, self.cache = self._jit_step(self.graphdef, self.state, self.cache,
-                                               tokens, active, temps, keys)
+                                               tokens, active, temps, seeds, counts)
         stats = self.cache.latent.stats if self.offload else None
         tok, logp, stats, rec = jax.device_get((tok, logp, stats, self.cache.record))  # one sync
         seconds = time.perf_counter() - t0

@@ -59,11 +59,20 @@ def forward(graphdef, state, cache: DecodeCache, tokens, active, *, impl):
     return model.logits(h), cache
 
 
-def decode_step(graphdef, state, cache: DecodeCache, tokens, active, temps, keys, *, impl):
+def request_keys(seeds, counts):
+    """Sampling keys [b, 2] of token number counts[b] of the requests seeded seeds[b]
+    (uint32): the same values as `fold_in(PRNGKey(seed), count)` on the host, derived
+    inside the step so the host does no per-request jax work."""
+    return jax.vmap(lambda s, c: jax.random.fold_in(jax.random.PRNGKey(s), c))(seeds, counts)
+
+
+def decode_step(graphdef, state, cache: DecodeCache, tokens, active, temps, seeds, counts, *,
+                impl):
     """tokens [b, 1] → (next tokens [b], logprobs [b], cache). One jit, one sync (the
-    caller reads tokens, logprobs and the offload counters together)."""
+    caller reads tokens, logprobs and the offload counters together). seeds [b] uint32,
+    counts [b] int32: each request's sampling stream and position in it."""
     logits, cache = forward(graphdef, state, cache, tokens, active, impl=impl)
-    tok, logp = sample_rows(logits[:, -1], temps, keys)
+    tok, logp = sample_rows(logits[:, -1], temps, request_keys(seeds, counts))
     return tok, logp, cache
 
 
@@ -71,8 +80,8 @@ def install(cache: DecodeCache, temp: DecodeCache, slot, n, page_row):
     """Copy a prefilled single-request cache `temp` (b = 1) into batch slot `slot` with
     length n. Offloaded: latent rows go to the host pool at the request's pages
     (page_row int32 [P]) and its hot-buffer slots are emptied."""
-    def put(big, small):
-        return big.at[:, slot].set(small[:, 0])
+    def put(big, small):   # per-layer tuples: [b, ...] <- [1, ...]
+        return tuple(x.at[slot].set(y[0]) for x, y in zip(big, small))
     new = dataclasses.replace(
         cache, index_k=put(cache.index_k, temp.index_k),
         index_scale=None if cache.index_scale is None else put(cache.index_scale, temp.index_scale),
@@ -83,7 +92,7 @@ def install(cache: DecodeCache, temp: DecodeCache, slot, n, page_row):
     t = temp.max_len
     positions = jnp.where(jnp.arange(t) < n, jnp.arange(t), -1)[None]
     ids = host_row_ids(page_row[None], positions, lat.page_size)[0]
-    host = tuple(scatter_to_host(h, ids, temp.latent[i, 0]) for i, h in enumerate(lat.host))
+    host = tuple(scatter_to_host(h, ids, temp.latent[i][0]) for i, h in enumerate(lat.host))
     lat = dataclasses.replace(
         lat, host=host, page_table=lat.page_table.at[slot].set(page_row),
         slot_pos=lat.slot_pos.at[:, slot].set(-1), slot_stamp=lat.slot_stamp.at[:, slot].set(-1))

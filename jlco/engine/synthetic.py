@@ -50,8 +50,9 @@ def synthetic_cache(cfg: Config, key: jax.Array, *, n: int, max_len: int
         block = jax.random.normal(k_rows, (1, min(n, _ROW_BLOCK), m.latent_dim), jnp.float32)
         rows = kv_cache.encode_rows(block, cfg.cache.kv_format, m.qk_rope_head_dim)
         rows = jnp.tile(rows, (1, -(-n // block.shape[1]), 1))[:, :n]
-        lat = cache.latent.at[layer, :, :n].set(rows)
-        cache = dataclasses.replace(cache, latent=lat)
+        lat = cache.latent[layer].at[:, :n].set(rows)
+        cache = dataclasses.replace(cache, latent=cache.latent[:layer] + (lat,)
+                                    + cache.latent[layer + 1:])
         keys = jax.random.normal(k_keys, (1, n, m.index_head_dim), jnp.float32)
         cache = kv_cache.write_index_key(cache, layer, keys, positions)
     return dataclasses.replace(cache, lengths=jnp.full((1,), n, jnp.int32))

@@ -13,7 +13,7 @@ import importlib
 import jax
 import jax.numpy as jnp
 
-_IMPLS = ("auto", "xla", "pallas")
+_IMPLS = ("auto", "xla", "pallas", "interpret")
 _KV_FORMATS = ("f32", "bf16", "fp8")
 _KEY_FORMATS = ("bf16", "fp8")
 

@@ -5,7 +5,11 @@ updates integer arrays in place (docs/facts.md §5). All latent-row traffic goes
 `write_latent` and `latent_for_attention`: the offload engine swaps exactly these two
 for a host pool + device hot buffer, so nothing else may touch `latent` directly.
 
-Layer axis: num_hidden_layers main layers, then the MTP layer if the model has one.
+Layers: num_hidden_layers main layers, then the MTP layer if the model has one. Each
+layer's latent rows, keys and scales are an array of their own (a tuple over layers), not
+one stacked array: a layer's keys then feed the indexer's product straight from their
+buffer, where slicing a stacked [L, b, t, D] array made XLA:CPU copy the layer's whole
+[b, t, D] every step (a cost growing with context; 11 ms a step at 8K, 4 layers).
 Indexer keys with key_format "bf16" are stored unquantised in the model dtype (bf16 for
 the real model, f32 for the fp32 parity model; f32 arrays update in place too, bf16 ones
 are stored as uint16 bits); "fp8" stores e4m3 bytes + one f32 scale per token.
@@ -30,9 +34,9 @@ from jlco.offload import latent as offload_latent
          meta_fields=("kv_format", "key_format", "d_rope"))
 @dataclasses.dataclass(frozen=True)
 class DecodeCache:
-    latent: Any                       # uint8 [layers, b, t, row_bytes], or OffloadLatent
-    index_k: jax.Array                # [layers, b, t, D]: f32 | uint16 (bf16 bits) | uint8 (e4m3)
-    index_scale: jax.Array | None     # f32 [layers, b, t] when key_format == "fp8"
+    latent: Any                       # per layer uint8 [b, t, row_bytes], or OffloadLatent
+    index_k: tuple                    # per layer [b, t, D]: f32 | uint16 (bf16 bits) | uint8 (e4m3)
+    index_scale: tuple | None         # per layer f32 [b, t] when key_format == "fp8"
     lengths: jax.Array                # int32 [b]: tokens cached per request
     kv_format: str
     key_format: str
@@ -43,15 +47,15 @@ class DecodeCache:
 
     @property
     def batch(self) -> int:
-        return self.index_k.shape[1]
+        return self.index_k[0].shape[0]
 
     @property
     def max_len(self) -> int:
-        return self.index_k.shape[2]
+        return self.index_k[0].shape[1]
 
     @property
     def num_layers(self) -> int:
-        return self.latent.shape[0]
+        return len(self.index_k)
 
 
 def cache_layers(cfg: Config) -> int:
@@ -78,10 +82,12 @@ def init_cache(cfg: Config, batch: int | None = None, max_len: int | None = None
     if fp8_keys and m.index_head_dim > 128:
         raise ValueError(f"cache.indexer_key_format='fp8' keeps one scale per token: "
                          f"model.index_head_dim ({m.index_head_dim}) must be <= 128")
+    def per_layer(shape, dtype):
+        return tuple(jnp.zeros(shape, dtype) for _ in range(n))
     return DecodeCache(
-        latent=jnp.zeros((n, b, t, cfg.row_bytes), jnp.uint8) if latent is None else latent,
-        index_k=jnp.zeros((n, b, t, m.index_head_dim), _key_storage_dtype(cfg)),
-        index_scale=jnp.zeros((n, b, t), jnp.float32) if fp8_keys else None,
+        latent=per_layer((b, t, cfg.row_bytes), jnp.uint8) if latent is None else latent,
+        index_k=per_layer((b, t, m.index_head_dim), _key_storage_dtype(cfg)),
+        index_scale=per_layer((b, t), jnp.float32) if fp8_keys else None,
         lengths=jnp.zeros((b,), jnp.int32),
         kv_format=cfg.cache.kv_format, key_format=cfg.cache.indexer_key_format,
         d_rope=m.qk_rope_head_dim)
@@ -97,11 +103,12 @@ def encode_rows(rows: jax.Array, kv_format: str, d_rope: int) -> jax.Array:
     return b.reshape(*rows.shape[:-1], -1)
 
 
-def _scatter(arr, layer: int, positions: jax.Array, values: jax.Array):
-    """arr[layer, b, positions[b, s]] = values[b, s]; positions past the end are dropped
+def _scatter(arrs: tuple, layer: int, positions: jax.Array, values: jax.Array) -> tuple:
+    """arrs[layer][b, positions[b, s]] = values[b, s]; positions past the end are dropped
     (padding tokens of a ragged prefill chunk can fall there)."""
     bidx = jnp.broadcast_to(jnp.arange(positions.shape[0])[:, None], positions.shape)
-    return arr.at[layer, bidx, positions].set(values, mode="drop")
+    new = arrs[layer].at[bidx, positions].set(values, mode="drop")
+    return arrs[:layer] + (new,) + arrs[layer + 1:]
 
 
 def write_latent(cache: DecodeCache, layer: int, rows: jax.Array,
@@ -141,7 +148,7 @@ def write_index_key(cache: DecodeCache, layer: int, k: jax.Array,
             return dataclasses.replace(
                 cache, index_k=_scatter(cache.index_k, layer, positions, bits),
                 index_scale=_scatter(cache.index_scale, layer, positions, scale[..., 0]))
-        dt = cache.index_k.dtype
+        dt = cache.index_k[layer].dtype
         vals = (k.astype(jnp.float32) if dt == jnp.float32 else
                 jax.lax.bitcast_convert_type(k.astype(jnp.bfloat16), jnp.uint16))
         return dataclasses.replace(cache, index_k=_scatter(cache.index_k, layer, positions, vals))
@@ -155,6 +162,23 @@ def index_keys(cache: DecodeCache, layer: int) -> tuple[jax.Array, jax.Array | N
     if k.dtype == jnp.uint16:
         k = jax.lax.bitcast_convert_type(k, jnp.bfloat16)
     return k, None
+
+
+def layer_view(cache: DecodeCache, layer: int) -> DecodeCache:
+    """The cache with only `layer`'s keys and scales (as its layer 0), for code that runs
+    one layer under a traced layer index (the host-driven phases); the offloaded latent
+    stays whole. `with_layer` puts the view's keys back."""
+    scale = None if cache.index_scale is None else (cache.index_scale[layer],)
+    return dataclasses.replace(cache, index_k=(cache.index_k[layer],), index_scale=scale)
+
+
+def with_layer(cache: DecodeCache, layer: int, view: DecodeCache) -> DecodeCache:
+    """`view` (from `layer_view`, possibly updated) with every other layer's keys of
+    `cache` around its own."""
+    def put(full, one):
+        return None if full is None else full[:layer] + one + full[layer + 1:]
+    return dataclasses.replace(view, index_k=put(cache.index_k, view.index_k),
+                               index_scale=put(cache.index_scale, view.index_scale))
 
 
 def advance(cache: DecodeCache, n_new: jax.Array) -> DecodeCache:

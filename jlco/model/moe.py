@@ -4,7 +4,8 @@ Routing (docs/facts.md §1): scores = sigmoid(x·W_gate) in f32; the correction 
 *selection*; groups are ranked by the sum of their top-2 biased scores, the best
 topk_group groups stay eligible; the chosen experts' unbiased scores are normalised and
 scaled by routed_scaling_factor. Experts run as grouped matmuls (`ragged_dot`) over the
-token→expert assignments sorted by expert, so cost scales with k, not with E.
+token→expert assignments sorted by expert, so cost scales with k, not with E (on CPU,
+which has no grouped matmul, every expert runs over the tokens: see `Experts`).
 """
 
 from __future__ import annotations
@@ -63,20 +64,45 @@ class Experts(nnx.Module):
         self.down_proj = param(rngs, (e, i, d), dt, ("expert", "mlp", "embed"))
 
     def __call__(self, x: jax.Array, w: jax.Array, ids: jax.Array) -> jax.Array:
-        """x [n, d], w/ids [n, k] → Σ_k w · expert_ids(x)  [n, d]."""
+        """x [n, d], w/ids [n, k] → Σ_k w · expert_ids(x)  [n, d].
+
+        Where `ragged_dot` is a native grouped matmul (GPU, TPU) the assignments run
+        sorted by expert, so cost follows k, not E. XLA:CPU has no grouped matmul: it
+        lowers `ragged_dot` to a dense product of every expert with all n·k sorted rows
+        (k× the work of running each expert over the n tokens) and first copies every
+        expert's weights into another layout. There, every expert runs over the n tokens
+        straight from the stored weights and a combine matrix [n, E] keeps the chosen
+        ones (measured at E 16, k 4, d 512: 2.1 vs 4.0 ms at n = 4, 345 vs 1086 ms at
+        n = 2048)."""
+        with jax.named_scope("experts"):
+            return jax.lax.platform_dependent(x, w, ids, cpu=self._dense,
+                                              default=self._grouped)
+
+    def _grouped(self, x, w, ids):
         n, k = ids.shape
         e = self.gate_proj.shape[0]
-        with jax.named_scope("experts"):
-            flat = ids.reshape(-1)
-            order = jnp.argsort(flat)
-            token = order // k
-            sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
-            xs = x[token].astype(self.gate_proj.dtype)
-            hid = jax.nn.silu(jax.lax.ragged_dot(xs, self.gate_proj[...], sizes)) * \
-                jax.lax.ragged_dot(xs, self.up_proj[...], sizes)
-            ys = jax.lax.ragged_dot(hid, self.down_proj[...], sizes).astype(jnp.float32)
-            ys = ys * w.reshape(-1)[order][:, None]
-            return jnp.zeros((n, x.shape[-1]), jnp.float32).at[token].add(ys).astype(x.dtype)
+        flat = ids.reshape(-1)
+        order = jnp.argsort(flat)
+        token = order // k
+        sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
+        xs = x[token].astype(self.gate_proj.dtype)
+        hid = jax.nn.silu(jax.lax.ragged_dot(xs, self.gate_proj[...], sizes)) * \
+            jax.lax.ragged_dot(xs, self.up_proj[...], sizes)
+        ys = jax.lax.ragged_dot(hid, self.down_proj[...], sizes).astype(jnp.float32)
+        ys = ys * w.reshape(-1)[order][:, None]
+        return jnp.zeros((n, x.shape[-1]), jnp.float32).at[token].add(ys).astype(x.dtype)
+
+    def _dense(self, x, w, ids):
+        n = x.shape[0]
+        e = self.gate_proj.shape[0]
+        comb = jnp.zeros((n, e), jnp.float32).at[jnp.arange(n)[:, None], ids].add(w)
+        # x broadcast over experts makes each product an expert-batched matmul over the
+        # weights as stored ([e, d, f]: batch, contraction, free), so XLA copies none.
+        xs = jnp.broadcast_to(x.astype(self.gate_proj.dtype), (e, *x.shape))
+        hid = jax.nn.silu(jnp.einsum("end,edf->enf", xs, self.gate_proj[...])) * \
+            jnp.einsum("end,edf->enf", xs, self.up_proj[...])
+        ys = jnp.einsum("enf,efd->end", hid, self.down_proj[...]).astype(jnp.float32)
+        return jnp.einsum("end,ne->nd", ys, comb).astype(x.dtype)
 
 
 class MoE(nnx.Module):

@@ -1,12 +1,16 @@
 """The one place where the model's two custom ops pick an implementation.
 
-  impl="auto"    one jitted program; `lax.platform_dependent` lowers it to the Triton kernel
-                 for cuda, the Mosaic kernel for tpu and the interpret-mode kernel elsewhere
-                 (CPU), so tests on CPU run the same kernel code the accelerators compile.
-  impl="xla"     the plain-jnp `*_ref` of each kernel: the fallback when a kernel
-                 misbehaves on new hardware, and the baseline the benchmark compares to.
-  impl="pallas"  the accelerator kernel; lowering for a platform without one (CPU) fails
-                 with an error that says so, instead of silently interpreting.
+  impl="auto"       one jitted program; `lax.platform_dependent` lowers it to the Triton
+                    kernel for cuda, the Mosaic kernel for tpu and the plain-XLA `*_ref`
+                    elsewhere (CPU): the serving path never runs a kernel in interpret mode,
+                    whose grid loops carry whole operands (a decode step that grows with
+                    context).
+  impl="interpret"  as "auto" on accelerators, the interpret-mode kernel elsewhere: the test
+                    tool that runs on CPU the same kernel code the accelerators compile.
+  impl="xla"        the plain-jnp `*_ref` of each kernel everywhere: the fallback when a
+                    kernel misbehaves on new hardware, the baseline benchmarks compare to.
+  impl="pallas"     the accelerator kernel; lowering for a platform without one (CPU) fails
+                    with an error that says so, instead of silently interpreting.
 
 Block sizes come from `tuning.lookup`, per platform branch, never from the call site.
 """
@@ -23,7 +27,7 @@ from jlco.pallas import indexer as ix
 from jlco.pallas import sparse_mla as smla
 from jlco.pallas import tuning
 
-IMPLS = ("auto", "xla", "pallas")
+IMPLS = ("auto", "xla", "pallas", "interpret")
 
 _no_kernel_p = Primitive("jlco_no_pallas_kernel")
 _no_kernel_p.def_abstract_eval(lambda x, *, op: x)
@@ -32,8 +36,9 @@ _no_kernel_p.def_abstract_eval(lambda x, *, op: x)
 def _no_kernel_lowering(ctx, x, *, op):
     platforms = ", ".join(getattr(ctx.module_context, "platforms", None) or ["this one"])
     raise ValueError(f"{op}: impl='pallas' has no Pallas kernel for platform {platforms} "
-                     f"(kernels exist for cuda and tpu); use impl='auto' (interpret mode "
-                     f"off-accelerator) or impl='xla'")
+                     f"(kernels exist for cuda and tpu); use impl='auto' or 'xla' (plain XLA), "
+                     f"or impl='interpret' to run the kernel in Pallas interpret mode (a "
+                     f"test tool: slow)")
 
 
 mlir.register_lowering(_no_kernel_p, _no_kernel_lowering)
@@ -46,8 +51,10 @@ def _check_impl(impl):
 
 def _per_platform(op, kernel_for, ref, impl):
     """platform_dependent over kernels; `kernel_for(platform)` builds a zero-arg branch."""
-    if impl == "auto":
+    if impl == "interpret":
         default = kernel_for("cpu")
+    elif impl == "auto":
+        default = ref
     else:
         def default():
             return jax.tree.map(functools.partial(_no_kernel_p.bind, op=op), ref())
