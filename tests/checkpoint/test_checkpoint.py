@@ -12,6 +12,7 @@ import json
 import pathlib
 import shutil
 
+import chex
 import ml_dtypes
 import numpy as np
 import pytest
@@ -92,7 +93,7 @@ def test_single_file_matches_library_and_table(ckpts):
     assert set(ck.tensors) == set(ref) == set(expected_hf_tensors(ck.config, mtp=False))
     for n, t in ck.tensors.items():
         assert t.dtype == np.float32 and t.shape == ref[n].shape
-        np.testing.assert_array_equal(t, ref[n], err_msg=n)
+        chex.assert_trees_all_equal({n: t}, {n: ref[n]})   # the key names the tensor
     assert not ck.has_mtp and ck.config.num_nextn_predict_layers == 0
     assert ck.tokenizer_path == ckpts / "single" / "tokenizer.json"
     assert ck.config.hidden_size == 136 and ck.config.rope_scaling.factor == 4.0
@@ -107,22 +108,22 @@ def test_sharded_equals_single_and_bf16_output(ckpts):
     assert set(sharded.tensors) == set(single.tensors)
     for n, t in sharded.tensors.items():
         assert t.dtype == ml_dtypes.bfloat16, n
-        np.testing.assert_array_equal(t, single.tensors[n].astype(ml_dtypes.bfloat16), err_msg=n)
+        chex.assert_trees_all_equal({n: t}, {n: single.tensors[n].astype(ml_dtypes.bfloat16)})
     assert sharded.tokenizer_path is None
 
 
 def test_bf16_and_f16_checkpoints_load_like_library(ckpts, tmp_path):
     ck = load_hf_checkpoint(ckpts / "bf16", progress=False)
     ref = _lib_tensors(ckpts / "bf16")
-    for n, t in ck.tensors.items():
-        np.testing.assert_array_equal(t, ref[n], err_msg=n)
+    for n, t in ck.tensors.items():   # chex takes no err_msg: the dict key names the tensor
+        chex.assert_trees_all_equal({n: t}, {n: ref[n]})
     raw = st.read_header(ckpts / "bf16" / st.SINGLE_FILE)
     assert {e.dtype for n, e in raw.items() if "weights_proj" not in n} == {"BF16"}
     d = _copy(ckpts / "single", tmp_path / "f16",
               lambda t: t.update({n: a.astype(np.float16) for n, a in t.items()}))
     f16 = load_hf_checkpoint(d, progress=False)
     for n, t in _lib_tensors(d).items():
-        np.testing.assert_array_equal(f16.tensors[n], t, err_msg=n)
+        chex.assert_trees_all_equal({n: f16.tensors[n]}, {n: t})
 
 
 def test_progress_goes_to_stderr_and_can_be_silenced(ckpts, capsys):
@@ -144,8 +145,8 @@ def test_writer_reader_interop_with_library(tmp_path):
     assert str(lib["d"].dtype) == "torch.float8_e4m3fn" and str(lib["b"].dtype) == "torch.bfloat16"
     ours = st.read_header(tmp_path / "x.safetensors")
     for n, a in src.items():
-        np.testing.assert_array_equal(lib[n].float().numpy(), a.astype(np.float32))
-        np.testing.assert_array_equal(np.asarray(st.read_tensor(ours[n])), a)
+        chex.assert_trees_all_equal({n: lib[n].float().numpy()}, {n: a.astype(np.float32)})
+        chex.assert_trees_all_equal({n: np.asarray(st.read_tensor(ours[n]))}, {n: a})
 
 
 def test_fp8_equals_twin_exactly_and_matches_library_dequant(ckpts):
@@ -159,14 +160,14 @@ def test_fp8_equals_twin_exactly_and_matches_library_dequant(ckpts):
     assert set(fp8.tensors) == set(twin.tensors) == set(orig.tensors)
     lib = _lib_tensors(ckpts / "fp8")
     for n, t in fp8.tensors.items():
-        np.testing.assert_array_equal(t, twin.tensors[n], err_msg=n)
+        chex.assert_trees_all_equal({n: t}, {n: twin.tensors[n]})   # the key names the tensor
         if n in quantized:  # independent dequant: library-read e4m3 × expanded block scale
             s = np.kron(lib[n + "_scale_inv"], np.ones((128, 128), np.float32))
-            np.testing.assert_array_equal(t, lib[n] * s[: t.shape[0], : t.shape[1]], err_msg=n)
+            chex.assert_trees_all_equal({n: t}, {n: lib[n] * s[: t.shape[0], : t.shape[1]]})
             amax = np.abs(orig.tensors[n]).max()
             assert np.abs(t - orig.tensors[n]).max() <= amax / 8, n  # e4m3: 3 mantissa bits
         else:
-            np.testing.assert_array_equal(t, orig.tensors[n], err_msg=n)
+            chex.assert_trees_all_equal({n: t}, {n: orig.tensors[n]})
 
 
 def test_dequantize_ragged_blocks():
@@ -176,7 +177,8 @@ def test_dequantize_ragged_blocks():
     assert d[0, 0] == 1 and d[127, 128] == 2 and d[128, 0] == 4 and d[129, 259] == 6
     q, sc = st.quantize_fp8_blocks(np.where(np.arange(260) < 256, 1.0, 8.0)[None].repeat(130, 0))
     assert sc.shape == (2, 3) and sc[0, 2] == 8 / 448 and sc[1, 0] == 1 / 448
-    np.testing.assert_array_equal(st.dequantize_fp8_blocks(q, sc)[:, 256:], 8.0)
+    tail = st.dequantize_fp8_blocks(q, sc)[:, 256:]
+    chex.assert_trees_all_equal(tail, np.full_like(tail, 8.0))
 
 
 def test_mtp_layer_detected_and_loaded(ckpts, tmp_path):
@@ -191,7 +193,7 @@ def test_mtp_layer_detected_and_loaded(ckpts, tmp_path):
     assert ck.config.num_nextn_predict_layers == 1
     assert "model.layers.3.embed_tokens.weight" not in ck.tensors
     for n, a in extra.items():
-        np.testing.assert_array_equal(ck.tensors[n], a, err_msg=n)
+        chex.assert_trees_all_equal({n: ck.tensors[n]}, {n: a})   # the key names the tensor
     d2 = _copy(d, tmp_path / "mtp_partial", lambda t: t.pop("model.layers.3.hnorm.weight"))
     with pytest.raises(CheckpointError, match=r"missing tensor 'model\.layers\.3\.hnorm\.weight'"):
         load_hf_checkpoint(d2, progress=False)
@@ -305,7 +307,7 @@ def _assert_same_leaves(a, b):
     assert len(la) == len(lb) > 0
     for x, y in zip(la, lb):
         assert x.dtype == y.dtype and x.shape == y.shape
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+        chex.assert_trees_all_equal(np.asarray(x), np.asarray(y))
 
 
 def test_orbax_round_trip_exact(tmp_path):
@@ -351,8 +353,8 @@ def test_real_model_hf_to_orbax_round_trip(ckpts, tmp_path):
     cfg, model, info = load_model(ckpts / "single", {"dtype": "float32"}, progress=False)
     assert info["kind"] == "hf" and not info["has_mtp"] and model.mtp is None
     ref = load_hf_checkpoint(ckpts / "single", progress=False).tensors
-    np.testing.assert_array_equal(np.asarray(model.embed_tokens[...]),
-                                  ref["model.embed_tokens.weight"])
+    chex.assert_trees_all_equal(np.asarray(model.embed_tokens[...]),
+                                ref["model.embed_tokens.weight"])
     state = nnx.state(model)
     save_orbax(tmp_path / "o", cfg, state)
     assert checkpoint_kind(tmp_path / "o") == "orbax"
@@ -396,8 +398,8 @@ def test_convert_cli_fp8_with_mtp(ckpts, tmp_path):
     twin = load_hf_checkpoint(tmp_path / "twin", dtype=ml_dtypes.bfloat16, progress=False)
     _, from_twin, _ = load_model(tmp_path / "twin", progress=False)
     _assert_same_leaves(nnx.state(model), nnx.state(from_twin))
-    np.testing.assert_array_equal(np.asarray(model.mtp.eh_proj.weight[...]),
-                                  twin.tensors["model.layers.3.eh_proj.weight"].T)
+    chex.assert_trees_all_equal(np.asarray(model.mtp.eh_proj.weight[...]),
+                                twin.tensors["model.layers.3.eh_proj.weight"].T)
     from jlco.convert import convert
     with pytest.raises(CheckpointError, match="already holds a checkpoint"):
         convert(str(tmp_path / "fp8"), str(out))

@@ -1,5 +1,6 @@
 """HF tensor names ↔ model, cache byte layouts, sampling, and the MTP draft path."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -55,10 +56,10 @@ def test_loaded_values_and_layout():
     t = _random_tensors(True)
     t[f"model.layers.{L}.embed_tokens.weight"] = t["model.embed_tokens.weight"]  # released ckpt
     m = model_from_hf(M, t, mtp=True)
-    np.testing.assert_array_equal(np.asarray(m.layers[2].mlp.experts.up_proj[...][5]),
-                                  t["model.layers.2.mlp.experts.5.up_proj.weight"].T)
-    np.testing.assert_array_equal(np.asarray(m.mtp.eh_proj.weight[...]),
-                                  t[f"model.layers.{L}.eh_proj.weight"].T)
+    chex.assert_trees_all_equal(np.asarray(m.layers[2].mlp.experts.up_proj[...][5]),
+                                t["model.layers.2.mlp.experts.5.up_proj.weight"].T)
+    chex.assert_trees_all_equal(np.asarray(m.mtp.eh_proj.weight[...]),
+                                t[f"model.layers.{L}.eh_proj.weight"].T)
     assert m.layers[1].self_attn.indexer.weights_proj.weight[...].dtype == jnp.float32
 
 
@@ -68,34 +69,39 @@ def test_loaded_values_and_layout():
 def test_latent_rows_roundtrip(fmt, dtype, exact):
     cfg = CFG.replace(cache__kv_format=fmt)
     cache = kv_cache.init_cache(cfg, 2, 8)
-    assert cache.latent.dtype == jnp.uint8 and cache.latent.shape[-1] == cfg.row_bytes
+    assert all(x.dtype == jnp.uint8 and x.shape[-1] == cfg.row_bytes for x in cache.latent)
     rows = jnp.asarray(np.random.RandomState(1).randn(2, 2, M.latent_dim).astype(np.float32))
     pos = jnp.array([[3, 4], [0, 7]], jnp.int32)
     cache = kv_cache.write_latent(cache, 1, rows, pos)
     sel = jnp.array([[[4, 3, -1]], [[7, 0, -1]]], jnp.int32)
     got = kv_cache.latent_for_attention(cache, 1, sel)
     kv, ids = got[-2], got[-1]
-    np.testing.assert_array_equal(np.asarray(ids), [[[4, 3, -1]], [[15, 8, -1]]])
+    chex.assert_trees_all_equal(np.asarray(ids), np.asarray([[[4, 3, -1]], [[15, 8, -1]]]))
     from jlco.model.attention import decode_rows, kernel_rows
     vals = np.asarray(decode_rows(kernel_rows(kv, fmt), fmt, M.qk_rope_head_dim))
     want = np.asarray(rows) if dtype is None else np.asarray(rows.astype(dtype).astype(jnp.float32))
     got_rows = vals[[4, 3, 15, 8]]
     want_rows = want[[0, 0, 1, 1], [1, 0, 1, 0]]
     if exact:
-        np.testing.assert_array_equal(got_rows, want_rows)
+        chex.assert_trees_all_equal(got_rows, want_rows)
     else:   # e4m3 nope part: ≤ 2^-4 relative of the block max; bf16 rope part
-        np.testing.assert_allclose(got_rows, want_rows, atol=0.07 * np.abs(want_rows).max())
+        # (2^-9 relative); 0.07 * max|row| covers 2^-4 of a block max that is at most the row
+        # max, with margin; rtol 1e-7 as numpy's default had it.
+        chex.assert_trees_all_close(got_rows, want_rows, rtol=1e-7,
+                                    atol=0.07 * np.abs(want_rows).max())
 
 
 def test_sample_greedy_and_logprobs():
     logits = jnp.asarray(np.random.RandomState(2).randn(3, 50).astype(np.float32))
     tok, lp = decode.sample(logits, 0.0, jax.random.key(0))
-    np.testing.assert_array_equal(np.asarray(tok), np.argmax(np.asarray(logits), -1))
+    chex.assert_trees_all_equal(np.asarray(tok), np.argmax(np.asarray(logits), -1))
     want = np.asarray(jax.nn.log_softmax(logits))[np.arange(3), np.asarray(tok)]
-    np.testing.assert_allclose(np.asarray(lp), want, rtol=1e-6)
+    # both f32 log-softmax of the same logits, possibly fused/reduced differently: rtol 1e-6
+    # is a few f32 ulps on log-probs of magnitude ~1-4
+    chex.assert_trees_all_close(np.asarray(lp), want, rtol=1e-6, atol=0)
     peaked = logits.at[:, 7].set(100.0)
     tok_t, _ = decode.sample(peaked, jnp.array([1.0, 0.5, 0.0]), jax.random.key(1))
-    np.testing.assert_array_equal(np.asarray(tok_t), [7, 7, 7])
+    chex.assert_trees_all_equal(np.asarray(tok_t), np.full(3, 7))
     draws = {int(decode.sample(logits[:1], 5.0, jax.random.key(i))[0][0]) for i in range(20)}
     assert len(draws) > 3                                 # temperature really samples
 
@@ -113,5 +119,10 @@ def test_mtp_draft_cached_equals_full(mtp_model):
                                jnp.array([0], jnp.int32), impl="xla")
     last, _, _ = decode.mtp_step(g, s, c2, hid[:, 39:40], jnp.asarray(toks[:, 40:41]),
                                  jnp.array([39], jnp.int32), impl="xla")
-    assert full.shape == (1, 40, M.vocab_size)
-    np.testing.assert_allclose(np.asarray(last[:, 0]), np.asarray(full[:, 39]), atol=1e-4)
+    chex.assert_shape(full, (1, 40, M.vocab_size))   # MTP draft logits [b, s, V]
+    chex.assert_type(full, jnp.float32)
+    # same f32 MTP layer: the last token against its cached rows vs inside the 40-token
+    # span, so attention and matmuls sum in a different order; 1e-4 absolute on O(1)
+    # logits (rtol 1e-7 as numpy's default had it).
+    chex.assert_trees_all_close(np.asarray(last[:, 0]), np.asarray(full[:, 39]), rtol=1e-7,
+                                atol=1e-4)

@@ -4,6 +4,7 @@ sizes, row formats, fetch chunking, s_q > 1, and requests joining and leaving mi
 Also: accounting returns to zero, aborts free everything, and the engine's hit counts
 equal an independent replay of its own top-k trace."""
 
+import chex
 import numpy as np
 import pytest
 from engine_workload import BASE, PROMPT_LENS
@@ -57,8 +58,10 @@ def test_multi_token_steps_equal(model, prompts):
     rng = np.random.default_rng(2)
     for _ in range(3):
         toks = rng.integers(0, BASE.model.vocab_size, (2, 2))
-        np.testing.assert_array_equal(off.runner.forward(toks, active),
-                                      on.runner.forward(toks, active))
+        want, got = off.runner.forward(toks, active), on.runner.forward(toks, active)
+        chex.assert_shape(got, (2, 2, BASE.model.vocab_size))   # logits [batch, s, V]
+        chex.assert_type(got, np.float32)
+        chex.assert_trees_all_equal(got, want)   # offload on == off, bit for bit
     assert on.metrics is not None
 
 

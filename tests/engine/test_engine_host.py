@@ -6,6 +6,7 @@ resolution sequence). Workload as in test_engine.py."""
 
 import os
 
+import chex
 import numpy as np
 import pytest
 from engine_workload import BASE
@@ -86,8 +87,10 @@ def test_multi_token_forward_equal(model, prompts):
     rng = np.random.default_rng(2)
     for _ in range(3):
         toks = rng.integers(0, BASE.model.vocab_size, (2, 2))
-        np.testing.assert_array_equal(off.runner.forward(toks, active),
-                                      on.runner.forward(toks, active))
+        want, got = off.runner.forward(toks, active), on.runner.forward(toks, active)
+        chex.assert_shape(got, (2, 2, BASE.model.vocab_size))   # logits [batch, s, V]
+        chex.assert_type(got, np.float32)
+        chex.assert_trees_all_equal(got, want)   # offload on == off, bit for bit
 
 
 def test_fetch_path_choice_and_errors(tmp_path):

@@ -6,6 +6,7 @@ longer than index_topk, then fed to our modules. Tolerances: fp32 different-orde
 sums; measured errors are ~1e-6, asserted at 1e-4 of the output magnitude.
 """
 
+import chex
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -29,8 +30,13 @@ MOE_LAYER = 1
 
 
 def _close(got, want, rel=1e-4):
+    """f32 (jnp) vs transformers' torch f32: the same math summed in a different order;
+    measured errors are ~1e-6 of the output magnitude, so an absolute budget of
+    rel * max|want| (1e-4 by default; callers pass 1e-6 / 1e-5 for elementwise parts)
+    covers it without depending on the size of each element."""
     want = np.asarray(want)
-    np.testing.assert_allclose(np.asarray(got), want, atol=rel * float(np.abs(want).max()), rtol=0)
+    chex.assert_trees_all_close(np.asarray(got), want, atol=rel * float(np.abs(want).max()),
+                                rtol=0)
 
 
 @pytest.fixture(scope="module")
@@ -67,12 +73,16 @@ def test_rmsnorm(setup):
 def test_rope_frequencies_and_layouts(setup):
     ref, _, store = setup
     inv_freq, att = rope_frequencies(CFG.model)
-    np.testing.assert_allclose(inv_freq, t2n(ref.model.rotary_emb.inv_freq), rtol=1e-6)
+    # base ** (-2i / r) in jnp f32 vs torch f32: pow may round differently by an ulp or so
+    chex.assert_trees_all_close(np.asarray(inv_freq), t2n(ref.model.rotary_emb.inv_freq),
+                                rtol=1e-6, atol=0)
     assert att == pytest.approx(ref.model.rotary_emb.attention_scaling)
     cos_hf, sin_hf = store["rope"][2]
     cos, sin = rope_cos_sin(CFG.model, jnp.arange(SEQ)[None])
     r = CFG.model.qk_rope_head_dim
-    np.testing.assert_allclose(np.asarray(cos), t2n(cos_hf)[..., :r // 2], atol=1e-6)
+    # cos of f32 angles up to SEQ rad computed by XLA vs torch: |cos| <= 1, so 1e-6 absolute
+    # is a few f32 ulps (rtol 1e-7 as numpy's default had it).
+    chex.assert_trees_all_close(np.asarray(cos), t2n(cos_hf)[..., :r // 2], rtol=1e-7, atol=1e-6)
     q = torch.randn(1, 2, SEQ, r)       # [b, heads, s, r] as transformers lays it out
     k = torch.randn(1, 1, SEQ, r)
     qi, ki = hf.apply_rotary_pos_emb_interleave(q, k, cos_hf, sin_hf)
@@ -81,7 +91,8 @@ def test_rope_frequencies_and_layouts(setup):
     for fn, q_want, k_want in ((apply_rope_interleaved, qi, ki), (apply_rope_half, qh, kh)):
         _close(fn(jnp.asarray(q.numpy()), cb, sb), t2n(q_want), 1e-6)
         _close(fn(jnp.asarray(k.numpy()), cb, sb), t2n(k_want), 1e-6)
-    assert not np.allclose(t2n(qi), t2n(qh), atol=1e-3)   # the two layouts really differ
+    with pytest.raises(AssertionError):   # the two layouts really differ
+        chex.assert_trees_all_close(t2n(qi), t2n(qh), rtol=1e-5, atol=1e-3)
 
 
 def test_indexer_topk_sets(setup):
@@ -91,6 +102,8 @@ def test_indexer_topk_sets(setup):
     cache, pos, lengths, cos, sin = _fresh()
     got, _ = ours.layers[MOE_LAYER].self_attn.indexer(x, qr, cos, sin, cache, MOE_LAYER, pos,
                                                       lengths, "xla")
+    chex.assert_shape(got, (1, SEQ, CFG.model.index_topk))   # [b, s, topk]
+    chex.assert_type(got, jnp.int32)
     got, want = np.asarray(got)[0], t2n(want).astype(np.int64)[0]
     topk = CFG.model.index_topk
     for t in range(SEQ):
@@ -106,6 +119,8 @@ def test_mla_output(setup):
     x = jnp.asarray(t2n(kwargs["hidden_states"]))
     cache, pos, lengths, cos, sin = _fresh()
     got, cache = ours.layers[MOE_LAYER].self_attn(x, cos, sin, cache, MOE_LAYER, pos, lengths, "xla")
+    chex.assert_shape(got, (1, SEQ, CFG.model.hidden_size))   # [b, s, hidden]
+    chex.assert_type(got, jnp.float32)
     _close(got, t2n(want[0]))
 
 
@@ -114,8 +129,8 @@ def test_moe_routing_and_output(setup):
     (x_hf,), _, (_, w_want, ids_want) = store["gate"]
     w, ids = ours.layers[MOE_LAYER].mlp.gate(jnp.asarray(t2n(x_hf)).reshape(-1, CFG.model.hidden_size))
     order_got, order_want = np.argsort(np.asarray(ids), 1), np.argsort(t2n(ids_want), 1)
-    np.testing.assert_array_equal(np.take_along_axis(np.asarray(ids), order_got, 1),
-                                  np.take_along_axis(t2n(ids_want).astype(np.int64), order_want, 1))
+    chex.assert_trees_all_equal(np.take_along_axis(np.asarray(ids), order_got, 1),
+                                np.take_along_axis(t2n(ids_want).astype(np.int64), order_want, 1))
     _close(np.take_along_axis(np.asarray(w), order_got, 1),
            np.take_along_axis(t2n(w_want), order_want, 1), 1e-5)
     (x_moe,), _, y_want = store["moe"]

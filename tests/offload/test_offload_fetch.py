@@ -1,5 +1,6 @@
 """Miss fetch: both paths, all storages, chunked and padded in-jit gathers yield the same
 hot buffers and slot ids as each other and the same bytes as a direct gather."""
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -59,9 +60,11 @@ def test_paths_agree_and_equal_direct_gather(storage, setup, tmp_path):
     for t, pos in enumerate(trace):
         want = np.where((pos >= 0)[..., None], full[1][np.arange(B)[:, None, None], np.maximum(pos, 0)], 0)
         for v in VARIANTS:
-            np.testing.assert_array_equal(runs[v][t][2], want, err_msg=f"{v} step {t}")
-            np.testing.assert_array_equal(runs[v][t][0], runs[VARIANTS[0]][t][0])
-            np.testing.assert_array_equal(runs[v][t][1], runs[VARIANTS[0]][t][1])
+            # chex takes no err_msg: the dict key names variant and step on failure
+            chex.assert_trees_all_equal({f"{v} step {t}": runs[v][t][2]},
+                                        {f"{v} step {t}": want})
+            chex.assert_trees_all_equal(runs[v][t][0], runs[VARIANTS[0]][t][0])
+            chex.assert_trees_all_equal(runs[v][t][1], runs[VARIANTS[0]][t][1])
 
 
 def test_metrics_count_real_and_moved_rows(setup):
@@ -99,8 +102,8 @@ def test_chunked_loop_moves_only_needed_chunks():
     rows, moved = f(hb.rows[0], pool_arr, pt, res, 16, 2)
     assert int(moved) == 4
     got = np.asarray(gather_slots(rows, res.slot_ids))
-    np.testing.assert_array_equal(got[0, 0, :2], np.asarray(pool_arr)[[3, 5]])
-    np.testing.assert_array_equal(got[1, 0, 0], np.asarray(pool_arr)[32 + 9])
+    chex.assert_trees_all_equal(got[0, 0, :2], np.asarray(pool_arr)[[3, 5]])
+    chex.assert_trees_all_equal(got[1, 0, 0], np.asarray(pool_arr)[32 + 9])
 
 
 def test_missing_page_is_an_error_on_host_path():

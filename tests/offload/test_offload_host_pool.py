@@ -2,6 +2,7 @@
 host row ids, the compute_on compat shim, file cleanup."""
 import os
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -26,7 +27,7 @@ def test_write_then_gather_is_byte_exact(storage, tmp_path):
         pool.write(1, ids, jnp.asarray(data))
         pool.flush()
         got = pool.gather(1, [31, 0, 16, 7, 3])
-        np.testing.assert_array_equal(got[:4], data[[1, 0, 4, 2]])
+        chex.assert_trees_all_equal(got[:4], data[[1, 0, 4, 2]])
         assert (got[4] == 0).all()
         assert (pool.gather(0, np.arange(32)) == 0).all()          # other layer untouched
         assert pool.nbytes == 2 * 32 * 40
@@ -41,7 +42,7 @@ def test_f32_rows_bitcast_round_trip_exactly():
     with HostLatentPool(1, 1, 4, 16) as pool:
         pool.write(0, [2, 1], rows)
         back = pool.gather(0, [2, 1]).view(np.float32)
-    np.testing.assert_array_equal(back.view(np.uint32), x.view(np.uint32))
+    chex.assert_trees_all_equal(back.view(np.uint32), x.view(np.uint32))   # bit for bit
 
 
 @pytest.mark.parametrize("storage", ["pinned_host", "unpinned_host"])
@@ -63,7 +64,7 @@ def test_host_row_ids_inside_jit():
     pt = jnp.array([[2, 0, -1], [1, -1, -1]], jnp.int32)
     pos = jnp.array([[0, 9, 17, -1], [3, 4, 100, 0]], jnp.int32)
     got = jax.jit(host_row_ids, static_argnums=2)(pt, pos, 8)
-    np.testing.assert_array_equal(got, [[16, 1, -1, -1], [11, 12, -1, 8]])
+    chex.assert_trees_all_equal(np.asarray(got), np.asarray([[16, 1, -1, -1], [11, 12, -1, 8]]))
 
 
 @pytest.mark.parametrize("form", ["context", "decorator"])
@@ -78,7 +79,7 @@ def test_compute_on_shim_both_forms(form):
         return jax.device_put(r, jax.memory.Space.Device)
 
     out = jax.jit(f)(pool, jnp.array([3, 1], jnp.int32))
-    np.testing.assert_array_equal(out, np.asarray(pool)[[3, 1]])
+    chex.assert_trees_all_equal(np.asarray(out), np.asarray(pool)[[3, 1]])
     with pytest.raises(ValueError, match="form='cm'"):
         host_compute(lambda: 0, form="cm")
 
@@ -90,7 +91,7 @@ def test_scatter_to_host_in_user_jit_drops_invalid_ids():
     out = f(pool, jnp.array([-1, 4], jnp.int32), jnp.array([[9, 9, 9], [7, 7, 7]], jnp.uint8))
     want = np.zeros((6, 3), np.uint8)
     want[4] = 7                                                   # −1 must not wrap to row 5
-    np.testing.assert_array_equal(np.asarray(out), want)
+    chex.assert_trees_all_equal(np.asarray(out), want)
 
 
 def test_bad_arguments_are_named():

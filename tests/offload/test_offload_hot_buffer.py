@@ -2,6 +2,7 @@
 hit counts, duplicates, invalid ids, capacity checks, insert_new and clear_requests."""
 import functools
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -41,14 +42,14 @@ def _run_trace(trace, capacity, policy):
             assert set(table[table >= 0].tolist()) == refs[i].resident(), (t, i)
             assert len(set(table[table >= 0].tolist())) == (table >= 0).sum()
             sid = np.asarray(r.slot_ids[i])
-            np.testing.assert_array_equal(sid >= 0, pos[i] >= 0)
-            np.testing.assert_array_equal(table[sid[pos[i] >= 0]], pos[i][pos[i] >= 0])
+            chex.assert_trees_all_equal(sid >= 0, np.asarray(pos[i] >= 0))
+            chex.assert_trees_all_equal(table[sid[pos[i] >= 0]], np.asarray(pos[i][pos[i] >= 0]))
             miss = np.asarray(r.miss_pos[i])
             vic = np.asarray(r.victim_slot[i])
             n = int(r.n_miss[i])
             assert (miss[n:] == -1).all() and (vic[n:] == -1).all()
             assert (np.diff(miss[:n]) > 0).all() and len(set(vic[:n])) == n
-            np.testing.assert_array_equal(table[vic[:n]], miss[:n])
+            chex.assert_trees_all_equal(table[vic[:n]], miss[:n])
             hits[t, i] = ref_hit
     return hits
 
@@ -141,7 +142,7 @@ def test_insert_new_equals_resolve_then_scatter(policy):
     got = insert_new(jnp.asarray(rows), jnp.asarray(sp), jnp.asarray(st),
                      jnp.asarray(new_pos), jnp.asarray(new_rows), 5, policy)
     for g, w in zip(got, want):
-        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+        chex.assert_trees_all_equal(np.asarray(g), np.asarray(w))
     assert (np.asarray(res.n_hit) > 0).any() and (np.asarray(res.n_miss) > 1).any()
 
 

@@ -1,4 +1,5 @@
 """Host page allocator: ownership, release on finish/abort, HostPoolFull, no leaks."""
+import chex
 import numpy as np
 import pytest
 
@@ -52,7 +53,7 @@ def test_page_table_layout_and_errors():
     a.reserve("y", 1)
     t = a.page_table(["x", None, "y"], max_pages=4)
     assert t.dtype == np.int32
-    np.testing.assert_array_equal(t, [[0, 1, 2, -1], [-1] * 4, [3, -1, -1, -1]])
+    chex.assert_trees_all_equal(t, np.asarray([[0, 1, 2, -1], [-1] * 4, [3, -1, -1, -1]]))
     with pytest.raises(ValueError, match="max_pages=2"):
         a.page_table(["x"], max_pages=2)
     with pytest.raises(KeyError, match="'z'"):

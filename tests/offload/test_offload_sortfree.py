@@ -5,6 +5,7 @@ stamps and positions span many bits (a numpy lexsort is the reference); fetching
 all-layer buffer at a row offset writes exactly what a one-layer fetch writes."""
 import functools
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -44,7 +45,9 @@ def test_mapped_resolve_equals_sorted_along_a_trace(policy, s_q, k, cap, span):
         a = _sorted(sp, st, jnp.asarray(pos, jnp.int32), t, policy, None)
         m = _sorted(sp2, st2, jnp.asarray(pos, jnp.int32), t, policy, span)
         for name, x, y in zip(a._fields, a, m):
-            np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=f"{name} t={t}")
+            # chex takes no err_msg: the dict key names field and step on failure
+            chex.assert_trees_all_equal({f"{name} t={t}": np.asarray(x)},
+                                        {f"{name} t={t}": np.asarray(y)})
         sp, st, sp2, st2 = a.slot_pos, a.slot_stamp, m.slot_pos, m.slot_stamp
     assert int(a.n_hit.sum()) > 0 and int(a.n_miss.sum()) > 0
 
@@ -101,11 +104,11 @@ def test_fetch_into_all_layer_buffer_at_row_offset(chunk_rows):
     one, _ = fetch(rows[1])
     flat, moved = fetch(rows.reshape(n_layers * b, cap, rb), row_offset=b)
     got = np.asarray(flat).reshape(n_layers, b, cap, rb)
-    np.testing.assert_array_equal(got[1], np.asarray(one))
-    np.testing.assert_array_equal(got[[0, 2]], np.asarray(rows)[[0, 2]])
+    chex.assert_trees_all_equal(got[1], np.asarray(one))
+    chex.assert_trees_all_equal(got[[0, 2]], np.asarray(rows)[[0, 2]])
     n = np.asarray(res.n_miss)
     assert n.sum() > 0 and int(moved) >= n.sum()
     for i in range(b):   # every fetched slot holds its position's host row
         for p, v in zip(np.asarray(res.miss_pos[i, :n[i]]), np.asarray(res.victim_slot[i, :n[i]])):
             hid = int(table[i, p // page]) * page + p % page
-            np.testing.assert_array_equal(got[1, i, v], np.asarray(host[hid]))
+            chex.assert_trees_all_equal(got[1, i, v], np.asarray(host[hid]))

@@ -2,6 +2,7 @@
 on this CPU machine: interpret mode accepts kernels real hardware rejects, so a backend
 break must show up here. Also runs the real shape on an accelerator when one is present."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -65,9 +66,14 @@ def test_real_shape_on_accelerator(key_format):
     idx, sc = ix.indexer_topk(q, w, k, lengths, TOPK, k_scale=scale, key_format=key_format)
     ridx, rsc = ix.indexer_topk_ref(q, w, k, lengths, TOPK, k_scale=scale,
                                     key_format=key_format)
+    chex.assert_shape([idx, sc], (B, s_q, TOPK))
+    chex.assert_type([idx, sc], [jnp.int32, jnp.float32])
     idx, ridx = np.asarray(idx), np.asarray(ridx)
     for b in range(B):
         for t in range(s_q):
             overlap = len(set(idx[b, t]) & set(ridx[b, t])) / TOPK
             assert overlap > 0.99, (b, t, overlap)   # accumulation order may swap near-ties
-    np.testing.assert_allclose(np.asarray(sc), np.asarray(rsc), rtol=1e-3, atol=1e-3)
+    # compiled kernel vs jnp reference on bf16 q and bf16/fp8 keys: products are exact in f32
+    # but the device MMA accumulates 128-wide dots in its own order (and may use TF32-like
+    # paths for the head reduction), over 131072 keys; 1e-3 covers that.
+    chex.assert_trees_all_close(np.asarray(sc), np.asarray(rsc), rtol=1e-3, atol=1e-3)

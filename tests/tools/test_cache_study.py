@@ -2,6 +2,7 @@
 import importlib.util
 import pathlib
 
+import chex
 import numpy as np
 import pytest
 
@@ -109,7 +110,8 @@ def test_cache_study_report(tmp_path):
     path = tmp_path / "s.trace"
     tr.write(path)
     tr2 = trace.read_trace(path)
-    assert np.array_equal(tr.ids, tr2.ids) and tr2.meta["num_layers"] == 3
+    chex.assert_trees_all_equal(tr.ids, tr2.ids)
+    assert tr2.meta["num_layers"] == 3
     out = cache_study.study(tr2, [64, 128, 256])
     hr = out["hit_rate"]
     assert set(hr) == set(trace.POLICIES) and set(out["lookups"]) == {0, 1, 2}
