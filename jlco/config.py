@@ -2,7 +2,12 @@
 
 Every number has one home here. Named instances live in `configs/*.py`, each defining
 a module-level `CONFIG`; `load_config(path)` reads one. Invalid values raise
-`ConfigError` naming the field and what is allowed, at construction time.
+`ConfigError` naming the field and what is allowed, at construction time: every field's
+type is checked against its annotation (bools reject non-bools, floats accept ints,
+numpy scalars become Python ones), then its range. `ModelConfig.from_hf_dict` reads a
+Hugging Face config.json, whose shape-deciding fields are required (`HF_REQUIRED`), and
+`hf_dtype` its compute dtype. `load_config` turns any failure of a config file into one
+ConfigError naming the file and line, and checks cache.storage_path on disk.
 """
 
 from __future__ import annotations
@@ -10,7 +15,10 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import math
+import numbers
+import os
 import pathlib
+import traceback
 from typing import Any, Mapping
 
 
@@ -35,6 +43,54 @@ def _one_of(obj: Any, prefix: str, name: str, allowed: tuple[str, ...]) -> None:
     _check(v in allowed, f"{prefix}.{name}", v, "one of " + ", ".join(map(repr, allowed)))
 
 
+# ---- type checks -------------------------------------------------------------------
+# Every field's annotation (a string: `from __future__ import annotations`) names what it
+# may hold; `_check_types` runs first in each __post_init__, so the range checks after it
+# never meet a str where they compare numbers. numpy scalars are accepted and stored as
+# the Python type (configs are rendered back to source by tools/tune.py).
+
+_SCALARS = {"int": "an integer", "float": "a finite number", "bool": "a bool (True/False)",
+            "str": "a string", "None": "None"}
+
+
+def _scalar_ok(kind: str, v: Any) -> bool:
+    if kind == "bool":
+        return isinstance(v, bool)
+    if kind == "int":
+        return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+    if kind == "float":
+        return (isinstance(v, numbers.Real) and not isinstance(v, bool)
+                and math.isfinite(float(v)))
+    if kind == "str":
+        return isinstance(v, str)
+    return v is None
+
+
+def _as_python(v: Any) -> Any:
+    """A numpy scalar (0-d, with .item()) as its Python value; anything else as is."""
+    if hasattr(v, "dtype") and hasattr(v, "item") and getattr(v, "shape", None) == ():
+        return v.item()
+    return v
+
+
+def _check_types(obj: Any, prefix: str) -> None:
+    """Type-check every field of the dataclass `obj` against its annotation."""
+    for f in dataclasses.fields(obj):
+        raw = getattr(obj, f.name)
+        v = _as_python(raw)
+        kinds = [k.strip() for k in str(f.type).split("|")]
+        if any(_scalar_ok(k, v) if k in _SCALARS else isinstance(v, globals()[k])
+               for k in kinds):
+            if v is not raw:
+                object.__setattr__(obj, f.name, v)
+            continue
+        allowed = " or ".join(_SCALARS.get(k, f"a {k}") for k in kinds)
+        _check(False, f"{prefix}.{f.name}", raw, f"{allowed} (got {type(raw).__name__})")
+
+
+DTYPES = ("bfloat16", "float32", "float16")   # model.dtype: the compute (and weight) dtype
+
+
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
     """YaRN parameters (DeepSeek-V3.2: factor 40 over an original 4096 context)."""
@@ -46,10 +102,14 @@ class RopeScaling:
     mscale_all_dim: float = 1.0
 
     def __post_init__(self):
-        _check(self.factor >= 1.0, "model.rope_scaling.factor", self.factor, ">= 1.0")
-        _positive(self, "model.rope_scaling", "original_max_position_embeddings")
-        _check(self.beta_fast > self.beta_slow > 0, "model.rope_scaling.beta_fast",
+        p = "model.rope_scaling"
+        _check_types(self, p)
+        _check(self.factor >= 1.0, f"{p}.factor", self.factor, ">= 1.0")
+        _positive(self, p, "original_max_position_embeddings")
+        _check(self.beta_fast > self.beta_slow > 0, f"{p}.beta_fast",
                (self.beta_fast, self.beta_slow), "beta_fast > beta_slow > 0")
+        for name in ("mscale", "mscale_all_dim"):
+            _check(getattr(self, name) >= 0, f"{p}.{name}", getattr(self, name), ">= 0")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +148,7 @@ class ModelConfig:
 
     def __post_init__(self):
         p = "model"
+        _check_types(self, p)
         _positive(self, p, "vocab_size", "hidden_size", "intermediate_size",
                   "moe_intermediate_size", "num_hidden_layers", "num_attention_heads",
                   "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
@@ -113,7 +174,11 @@ class ModelConfig:
                "<= topk_group * experts per group")
         _check(self.rms_norm_eps > 0, f"{p}.rms_norm_eps", self.rms_norm_eps, "> 0")
         _check(self.rope_theta > 0, f"{p}.rope_theta", self.rope_theta, "> 0")
-        _one_of(self, p, "dtype", ("bfloat16", "float32"))
+        _check(self.routed_scaling_factor > 0, f"{p}.routed_scaling_factor",
+               self.routed_scaling_factor, "> 0")
+        _check(self.index_topk <= self.max_position_embeddings, f"{p}.index_topk",
+               self.index_topk, f"<= max_position_embeddings ({self.max_position_embeddings})")
+        _one_of(self, p, "dtype", DTYPES)
 
     @property
     def qk_head_dim(self) -> int:
@@ -138,11 +203,21 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dict(cls, d: Mapping[str, Any], **overrides: Any) -> "ModelConfig":
-        """Build from a Hugging Face `config.json` dict (unknown keys are ignored)."""
+        """Build from a Hugging Face `config.json` dict (unknown keys are ignored).
+
+        Every field that decides a weight's shape or the model's arithmetic is required
+        (HF_REQUIRED): a missing one would otherwise take the 671B model's default and
+        fail much later, or not at all. Types and ranges are checked by the dataclass.
+        The compute dtype is not read here (`hf_dtype` reads it; the caller decides)."""
+        if not isinstance(d, Mapping):
+            raise ConfigError(f"config.json must hold a JSON object, got {type(d).__name__}")
         names = {f.name for f in dataclasses.fields(cls)} - {"rope_scaling", "dtype", "indexer_fp8"}
         kw = {k: d[k] for k in names if k in d and d[k] is not None}
         rs = d.get("rope_scaling") or d.get("rope_parameters")
-        if "rope_theta" not in kw and isinstance(rs, Mapping) and "rope_theta" in rs:
+        if rs is not None and not isinstance(rs, Mapping):
+            raise ConfigError(f"config.json field 'rope_scaling'/'rope_parameters'={rs!r} is "
+                              "invalid: allowed a JSON object or null")
+        if "rope_theta" not in kw and isinstance(rs, Mapping) and rs.get("rope_theta") is not None:
             kw["rope_theta"] = rs["rope_theta"]
         if isinstance(rs, Mapping) and rs.get("rope_type", rs.get("type")) == "yarn":
             rs_names = {f.name for f in dataclasses.fields(RopeScaling)}
@@ -150,7 +225,44 @@ class ModelConfig:
         else:
             kw["rope_scaling"] = None
         kw.update(overrides)
+        missing = [k for k in HF_REQUIRED if k not in kw]
+        if missing:
+            raise ConfigError(f"config.json is missing required field(s) "
+                              f"{', '.join(map(repr, missing))}: each must be set (no "
+                              "default: the 671B model's value would be used silently)")
         return cls(**kw)
+
+
+# config.json fields that must be present: everything that decides a weight's shape, the
+# routing or the arithmetic. Optional: tie_word_embeddings (False), num_nextn_predict_layers
+# (the loader decides from the tensors), rope_scaling (absent = no YaRN).
+HF_REQUIRED = (
+    "vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size",
+    "num_hidden_layers", "first_k_dense_replace", "num_attention_heads", "q_lora_rank",
+    "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "n_routed_experts",
+    "n_shared_experts", "num_experts_per_tok", "n_group", "topk_group",
+    "routed_scaling_factor", "norm_topk_prob", "index_n_heads", "index_head_dim",
+    "index_topk", "rms_norm_eps", "rope_theta", "max_position_embeddings")
+
+# torch dtype names a config.json may give (`dtype` in transformers 5, `torch_dtype`
+# before) -> model.dtype.
+_HF_DTYPES = {"float32": "float32", "float": "float32", "bfloat16": "bfloat16",
+              "float16": "float16", "half": "float16"}
+
+
+def hf_dtype(d: Mapping[str, Any]) -> tuple[str | None, str]:
+    """(model dtype, the config.json key it came from) or (None, "") when config.json
+    names none. An unsupported dtype is a ConfigError naming the key."""
+    for key in ("dtype", "torch_dtype"):
+        v = d.get(key) if isinstance(d, Mapping) else None
+        if v is None:
+            continue
+        name = str(v).removeprefix("torch.")
+        if not isinstance(v, str) or name not in _HF_DTYPES:
+            raise ConfigError(f"config.json field {key!r}={v!r} is invalid: allowed "
+                              + ", ".join(map(repr, sorted(_HF_DTYPES))))
+        return _HF_DTYPES[name], key
+    return None, ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,6 +298,7 @@ class CacheConfig:
 
     def __post_init__(self):
         p = "cache"
+        _check_types(self, p)
         _one_of(self, p, "storage", ("pinned_host", "unpinned_host", "file"))
         _check(self.storage != "file" or bool(self.storage_path), f"{p}.storage_path",
                self.storage_path, "a directory path when cache.storage='file'")
@@ -210,8 +323,10 @@ class EngineConfig:
     max_context_len:    longest prompt + generation per request, in tokens.
     prefill_chunk:      prompt tokens per prefill chunk (bounds the [chunk, L] score matrix).
     num_draft_tokens:   MTP draft tokens per step (0 = no speculation); s_q = 1 + this.
-    attention_impl:     "auto" picks the Pallas kernel for the platform being lowered for,
-                        "xla" forces the plain-jnp fallback, "pallas" requires the kernel.
+    attention_impl:     "auto" picks the Pallas kernel on cuda/tpu and plain XLA elsewhere
+                        (CPU), "xla" forces the plain-jnp fallback, "pallas" requires the
+                        kernel, "interpret" runs the kernel in Pallas interpret mode off
+                        accelerators (a test tool, slow).
     """
     max_batch_size: int = 1
     max_context_len: int = 4096
@@ -222,10 +337,12 @@ class EngineConfig:
 
     def __post_init__(self):
         p = "engine"
+        _check_types(self, p)
         _positive(self, p, "max_batch_size", "max_context_len", "prefill_chunk")
-        _check(isinstance(self.num_draft_tokens, int) and 0 <= self.num_draft_tokens <= 7,
-               f"{p}.num_draft_tokens", self.num_draft_tokens, "an integer in 0..7")
-        _one_of(self, p, "attention_impl", ("auto", "xla", "pallas"))
+        _check(0 <= self.num_draft_tokens <= 7, f"{p}.num_draft_tokens",
+               self.num_draft_tokens, "an integer in 0..7")
+        _one_of(self, p, "attention_impl", ("auto", "xla", "pallas", "interpret"))
+        _check(0 <= self.seed < 2 ** 32, f"{p}.seed", self.seed, "an integer in 0..2**32-1")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -239,8 +356,9 @@ class ServeConfig:
 
     def __post_init__(self):
         p = "serve"
-        _check(isinstance(self.port, int) and 0 <= self.port <= 65535, f"{p}.port",
-               self.port, "0..65535")
+        _check_types(self, p)
+        _check(bool(self.host.strip()), f"{p}.host", self.host, "a host name or address")
+        _check(0 <= self.port <= 65535, f"{p}.port", self.port, "0..65535")
         _positive(self, p, "max_queue")
         _check(0 < self.low_watermark < self.high_watermark <= 1.0, f"{p}.high_watermark",
                (self.low_watermark, self.high_watermark), "0 < low_watermark < high_watermark <= 1")
@@ -255,6 +373,8 @@ class Config:
     name: str = "unnamed"
 
     def __post_init__(self):
+        _check_types(self, "config")
+        _check(bool(self.name.strip()), "config.name", self.name, "a non-empty string")
         m, c, e = self.model, self.cache, self.engine
         _check(e.max_context_len <= m.max_position_embeddings, "engine.max_context_len",
                e.max_context_len, f"<= model.max_position_embeddings ({m.max_position_embeddings})")
@@ -313,14 +433,59 @@ class Config:
 
 
 def load_config(path: str | pathlib.Path) -> Config:
-    """Execute a python config file and return its module-level `CONFIG`."""
+    """Execute a python config file and return its module-level `CONFIG`.
+
+    Whatever goes wrong becomes one ConfigError naming the file (and the line, for an
+    exception raised while the file runs): a bad value, a typo'd field name, a syntax
+    error. With cache.storage='file', cache.storage_path is checked here, against the
+    filesystem (Config itself stays pure: a config may be built on another machine)."""
     path = pathlib.Path(path)
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} does not exist")
     spec = importlib.util.spec_from_file_location(f"jlco_config_{path.stem}", path)
     mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    try:
+        spec.loader.exec_module(mod)
+    except ConfigError as err:
+        raise ConfigError(f"{path}{_config_line(err, path)}: {err}") from None
+    except Exception as err:  # noqa: BLE001 - any failure of a user's file is bad input
+        raise ConfigError(f"{path}{_config_line(err, path)}: {type(err).__name__}: "
+                          f"{err}") from None
     cfg = getattr(mod, "CONFIG", None)
     if not isinstance(cfg, Config):
         raise ConfigError(f"{path}: must define CONFIG = jlco.config.Config(...)")
+    if cfg.cache.storage == "file":
+        check_storage_path(cfg.cache.storage_path, str(path))
     return cfg
+
+
+def _config_line(err: BaseException, path: pathlib.Path) -> str:
+    """':LINE' of the config file where `err` was raised (or its syntax error)."""
+    if isinstance(err, SyntaxError) and err.lineno:
+        return f":{err.lineno}"
+    target = os.path.abspath(path)
+    lines = [fr.lineno for fr in traceback.extract_tb(err.__traceback__)
+             if os.path.abspath(fr.filename) == target]
+    return f":{lines[-1]}" if lines else ""
+
+
+def check_storage_path(storage_path: str | None, where: str = "config") -> pathlib.Path:
+    """cache.storage_path for storage='file' (the memory-mapped latent pool's directory):
+    an existing writable directory, or a path that can be created (its nearest existing
+    ancestor is a writable directory). Raises ConfigError naming the field otherwise."""
+    field = "cache.storage_path"
+    if not storage_path:
+        raise ConfigError(f"{where}: {field}={storage_path!r} is invalid: allowed a "
+                          "directory path when cache.storage='file'")
+    p = pathlib.Path(storage_path).expanduser().absolute()
+    anchor = p
+    while not anchor.exists() and anchor != anchor.parent:
+        anchor = anchor.parent
+    if anchor == p and not p.is_dir():
+        raise ConfigError(f"{where}: {field}={storage_path!r} is invalid: it exists and is "
+                          "not a directory; allowed a writable directory")
+    if not anchor.is_dir() or not os.access(anchor, os.W_OK | os.X_OK):
+        raise ConfigError(f"{where}: {field}={storage_path!r} is invalid: {str(anchor)!r} "
+                          "is not a writable directory; allowed a writable directory or a "
+                          "path that can be created")
+    return p

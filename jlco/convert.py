@@ -4,27 +4,27 @@
 
 fp8 block-scaled weights are dequantised on the way (jlco keeps weights in one dtype);
 the MTP layer is kept when the checkpoint has one. The Orbax directory restores without
-re-validating names and without the dequantisation pass, which is why serving reads it.
+re-validating names and without the dequantisation pass, which is why serving reads it;
+its manifest records a sha256 per leaf, checked when it is loaded.
+
+The output is checked first (it must be new, or an empty directory, and creatable), so an
+unwritable path fails in a second rather than after loading every tensor; the directory
+is written beside it and renamed into place only when complete. Bad input (checkpoint,
+config.json, output path) is one `jlco.convert: error: ...` line and exit code 2.
 """
 
 from __future__ import annotations
 
 import json
-import sys
 import time
 
-import ml_dtypes
-import numpy as np
 from absl import app, flags, logging
 
-from jlco.checkpoint.load import (
-    CheckpointError,
-    check_new_output,
-    load_hf_checkpoint,
-    save_orbax,
-)
+from jlco.config import ConfigError
+from jlco.util import cli, compile_cache
 
-_DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float32": np.float32}
+PROG = "jlco.convert"
+DTYPES = ("bfloat16", "float32")
 
 
 def define_flags() -> None:
@@ -33,7 +33,7 @@ def define_flags() -> None:
     flags.DEFINE_string("checkpoint", None, "Hugging Face checkpoint directory (config.json + "
                         "model.safetensors or model.safetensors.index.json)", required=True)
     flags.DEFINE_string("output", None, "new directory for the Orbax checkpoint", required=True)
-    flags.DEFINE_enum("dtype", "bfloat16", list(_DTYPES), "weight dtype of the converted model")
+    flags.DEFINE_enum("dtype", "bfloat16", list(DTYPES), "weight dtype of the converted model")
     flags.DEFINE_bool("progress", True, "show tqdm progress on stderr")
 
 
@@ -43,14 +43,18 @@ FLAGS = flags.FLAGS
 def convert(checkpoint: str, output: str, dtype: str = "bfloat16", progress: bool = True) -> dict:
     """HF dir → Orbax dir; returns the summary that `main` prints."""
     import jax
+    import ml_dtypes
+    import numpy as np
     from flax import nnx
 
     from jlco.checkpoint.hf_names import model_from_hf
-    if dtype not in _DTYPES:
-        raise ValueError(f"dtype={dtype!r} is invalid: allowed {', '.join(map(repr, _DTYPES))}")
+    from jlco.checkpoint.load import check_new_output, load_hf_checkpoint, save_orbax
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype={dtype!r} is invalid: allowed {', '.join(map(repr, DTYPES))}")
     check_new_output(output)
     t0 = time.perf_counter()
-    ck = load_hf_checkpoint(checkpoint, dtype=_DTYPES[dtype], progress=progress,
+    np_dtype = {"bfloat16": ml_dtypes.bfloat16, "float32": np.float32}[dtype]
+    ck = load_hf_checkpoint(checkpoint, dtype=np_dtype, progress=progress,
                             cfg_overrides={"dtype": dtype})
     model = model_from_hf(ck.config, ck.tensors, mtp=ck.has_mtp)
     n_tensors, hf_bytes = len(ck.tensors), ck.nbytes
@@ -70,10 +74,10 @@ def main(argv):
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     if not FLAGS["verbosity"].present:  # Orbax logs every save step at INFO
         logging.set_verbosity(logging.WARNING)
-    try:
+    compile_cache.enable()
+    from jlco.checkpoint.load import CheckpointError
+    with cli.errors_exit(PROG, CheckpointError, ConfigError, ValueError, OSError):
         s = convert(FLAGS.checkpoint, FLAGS.output, FLAGS.dtype, FLAGS.progress)
-    except CheckpointError as err:
-        sys.exit(f"jlco.convert: {err}")
     print(f"converted {s['hf_tensors']} HF tensors ({s['hf_bytes'] / 2**20:.1f} MiB) -> "
           f"{s['leaves']} {s['dtype']} leaves ({s['bytes'] / 2**20:.1f} MiB) in {s['output']}; "
           f"MTP: {'yes' if s['mtp'] else 'no'}; tokenizer: {'yes' if s['tokenizer'] else 'no'};"

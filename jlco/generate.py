@@ -1,21 +1,60 @@
-"""`python -m jlco.generate`: generate tokens for one prompt.
+"""`python -m jlco.generate`: generate tokens for one prompt or a batch of prompts.
 
-With --checkpoint (a Hugging Face directory or a jlco Orbax directory from
-`python -m jlco.convert`) it loads the real weights; without one it builds a small
-random-weight model from --config (configs/tiny.py) and says so on stderr.
---offload puts the MLA latent cache in host memory (same tokens as without it).
+Prompts (exactly one of): --prompt_ids 1,2,3; --prompt "text" (a checkpoint with
+tokenizer.json); --prompts_file FILE, JSON lines, each a list of token ids or
+{"prompt": "text"}. All prompts are decoded together as one batch.
+
+Model: --checkpoint loads a Hugging Face directory or a jlco Orbax directory (from
+`python -m jlco.convert`). The compute dtype is --dtype when given, else the checkpoint's
+own (config.json `dtype` / `torch_dtype`; an Orbax checkpoint's converted dtype), else
+bfloat16; stderr says which and why. Without a checkpoint a small RANDOM-WEIGHT model is
+built and stderr says so: the --config's own model when its random weights are small,
+else configs/tiny.py's model section with the config's engine context and cache settings.
+
+Engine: --config (default configs/tiny.py) gives the cache and engine sections. Without
+--config the context follows the request (longest prompt + --max_new_tokens, rounded up
+to a power of two, at most the model's max_position_embeddings) and the batch is the
+number of prompts; an explicit --config's context is kept, and its larger
+max_batch_size too when its own model runs. --offload puts the MLA latent cache in host
+memory (same tokens as without it).
+
+Output: one line of tokens per prompt, or --json: {"tokens", "logprobs", "timing"} for
+--prompt_ids/--prompt, {"results": [{"tokens", "logprobs"}, ...], "timing"} for
+--prompts_file; strict JSON (a non-finite log-prob is an error, exit 1). Bad input is one
+`jlco.generate: error: ...` line on stderr, exit 2, no traceback (a number outside a
+flag's bounds is absl's parse error, exit 1). Timing: prefill_s is admission + prefill
+(with the prefill's compilation), compile_s the first decode step's excess over the
+median step, decode_s the decode loop without it. JAX's persistent compilation cache is
+on (`jlco.util.compile_cache`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import pathlib
+import statistics
 import sys
+import time
+from typing import Any
 
 from absl import app, flags, logging
 
+from jlco.util import cli, compile_cache
+
 FLAGS = flags.FLAGS
+PROG = "jlco.generate"
 _ROOT = pathlib.Path(__file__).resolve().parent.parent
+_TINY = _ROOT / "configs" / "tiny.py"
+DTYPES = ("float32", "bfloat16", "float16")
+RANDOM_MODEL_MAX_BYTES = 2 << 30   # larger configs' models get tiny's shape (random weights)
+MIN_CONTEXT = 64                   # smallest context bucket (fewer distinct compiled shapes)
+MIN_CHUNK = 16
+
+
+class NonFiniteOutput(RuntimeError):
+    """The model produced a NaN/Inf log-prob: the output is unusable (exit 1)."""
 
 
 def define_flags() -> None:
@@ -26,88 +65,354 @@ def define_flags() -> None:
                         "when no checkpoint is given); default configs/tiny.py")
     flags.DEFINE_string("prompt_ids", None, "comma-separated prompt token ids, e.g. 1,2,3")
     flags.DEFINE_string("prompt", None, "prompt text (needs a checkpoint with tokenizer.json)")
-    flags.DEFINE_integer("max_new_tokens", 16, "tokens to generate")
-    flags.DEFINE_float("temperature", 0.0, "sampling temperature; 0 = greedy")
-    flags.DEFINE_integer("seed", 0, "random seed (sampling, and the random model's weights)")
+    flags.DEFINE_string("prompts_file", None, "JSON lines, one prompt each: a list of token ids "
+                        "or {\"prompt\": \"text\"}; all are decoded as one batch")
+    flags.DEFINE_integer("max_new_tokens", 16, "tokens to generate per prompt", lower_bound=1)
+    flags.DEFINE_float("temperature", 0.0, "sampling temperature; 0 = greedy", lower_bound=0.0)
+    flags.DEFINE_integer("seed", 0, "random seed (sampling: prompt i uses seed + i; and the "
+                         "random model's weights)", lower_bound=0)
     flags.DEFINE_bool("offload", None, "latent cache in host memory (default: the config's value)")
-    flags.DEFINE_enum("impl", None, ["auto", "xla", "pallas"], "attention kernels (default: config)")
-    flags.DEFINE_integer("num_draft_tokens", 0, "MTP draft tokens per step (needs an MTP layer)")
-    flags.DEFINE_bool("json", False, "print {\"tokens\": [...], \"logprobs\": [...]}")
+    flags.DEFINE_enum("impl", None, ["auto", "xla", "pallas", "interpret"],
+                      "attention kernels (default: config; interpret = Pallas interpret mode)")
+    flags.DEFINE_integer("num_draft_tokens", 0, "MTP draft tokens per step (needs an MTP layer)",
+                         lower_bound=0, upper_bound=7)
+    flags.DEFINE_enum("dtype", None, list(DTYPES), "compute dtype (default: the checkpoint's "
+                      "config.json dtype, else bfloat16; random model: its config's)")
+    flags.DEFINE_bool("verify_checkpoint", True, "check an Orbax checkpoint's leaves against "
+                      "the sha256 sums recorded at conversion (--noverify_checkpoint skips)")
+    flags.DEFINE_bool("json", False, "print JSON: {\"tokens\", \"logprobs\", \"timing\"} "
+                      "(--prompts_file: {\"results\": [...], \"timing\"})")
 
 
-def _fail(msg: str) -> None:
-    print(f"error: {msg}", file=sys.stderr)
-    sys.exit(2)
+def _say(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
 
 
-def _load(cfg_path: str | None):
-    """(Config, model, tokenizer path or None)."""
-    from flax import nnx
-
-    from jlco.config import load_config
-    from jlco.model.decoder import DeepseekV32
-    base = load_config(cfg_path or _ROOT / "configs" / "tiny.py")
-    if FLAGS.checkpoint is None:
-        print(f"no --checkpoint: using a small RANDOM-WEIGHT model ({base.name} config, "
-              f"seed {FLAGS.seed}); outputs are meaningless tokens", file=sys.stderr)
-        return base, DeepseekV32(base.model, rngs=nnx.Rngs(FLAGS.seed)), None
-    from jlco.checkpoint.load import load_model
-    mcfg, model, info = load_model(FLAGS.checkpoint)
-    if FLAGS.num_draft_tokens and not info["has_mtp"]:
-        _fail(f"--num_draft_tokens={FLAGS.num_draft_tokens}: MTP is unavailable, checkpoint "
-              f"{FLAGS.checkpoint} has no MTP layer (model.layers.{mcfg.num_hidden_layers}.*); "
-              "checkpoints saved by transformers carry none")
-    cfg = base.replace(model=mcfg, name=pathlib.Path(FLAGS.checkpoint).name)
-    return cfg, model, info.get("tokenizer_path")
+# ----------------------------------------------------------------------------- prompts
 
 
-def _prompt(tokenizer_path) -> list[int]:
-    if (FLAGS.prompt_ids is None) == (FLAGS.prompt is None):
-        _fail("give exactly one of --prompt_ids or --prompt")
+@dataclasses.dataclass
+class Prompt:
+    """One prompt as given: token ids, or text to tokenize; `label` names its source
+    in error messages (a flag, or FILE:LINE)."""
+    label: str
+    ids: list[int] | None = None
+    text: str | None = None
+
+
+def _is_token_list(v: Any) -> bool:
+    return isinstance(v, list) and bool(v) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in v)
+
+
+def read_prompts_file(path: str) -> list[Prompt]:
+    """Prompts of a JSON-lines file (blank lines skipped); a bad line is a ValueError
+    naming FILE:LINE and what is allowed."""
+    p = pathlib.Path(path)
+    if not p.is_file():
+        raise ValueError(f"--prompts_file={path!r}: no such file")
+    out = []
+    for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        label = f"{path}:{n}"
+        try:
+            v = json.loads(line)
+        except ValueError as err:
+            raise ValueError(f"{label}: not valid JSON ({err})") from None
+        if _is_token_list(v):
+            out.append(Prompt(label, ids=v))
+        elif isinstance(v, dict) and set(v) == {"prompt"} and isinstance(v["prompt"], str) \
+                and v["prompt"]:
+            out.append(Prompt(label, text=v["prompt"]))
+        else:
+            raise ValueError(f"{label}: {line.strip()[:80]!r} is invalid: allowed a non-empty "
+                             "list of token ids or {\"prompt\": \"non-empty text\"}")
+    if not out:
+        raise ValueError(f"--prompts_file={path!r} holds no prompts")
+    return out
+
+
+def _prompts_from_flags() -> list[Prompt]:
+    """The prompts as given, checked before any model is loaded, so a bad flag or file
+    fails in a second."""
+    given = [f"--{n}" for n in ("prompt_ids", "prompt", "prompts_file") if FLAGS[n].value is not None]
+    if len(given) != 1:
+        got = f" (got {' and '.join(given)})" if given else ""
+        raise ValueError(f"give exactly one of --prompt_ids, --prompt or --prompts_file{got}")
+    if FLAGS.prompts_file is not None:
+        return read_prompts_file(FLAGS.prompts_file)
     if FLAGS.prompt is not None:
-        if tokenizer_path is None:
-            _fail("--prompt needs a checkpoint with tokenizer.json; use --prompt_ids")
-        from tokenizers import Tokenizer
-        return Tokenizer.from_file(str(tokenizer_path)).encode(FLAGS.prompt).ids
+        if not FLAGS.prompt:
+            raise ValueError("--prompt='' is invalid: allowed non-empty text")
+        return [Prompt("--prompt", text=FLAGS.prompt)]
     try:
-        return [int(t) for t in FLAGS.prompt_ids.split(",") if t.strip()]
+        ids = [int(t) for t in FLAGS.prompt_ids.split(",") if t.strip()]
     except ValueError:
-        _fail(f"--prompt_ids={FLAGS.prompt_ids!r}: expected comma-separated integers")
+        ids = []
+    if not ids:
+        raise ValueError(f"--prompt_ids={FLAGS.prompt_ids!r} is invalid: allowed "
+                         "comma-separated integers, e.g. 1,2,3")
+    return [Prompt("--prompt_ids", ids=ids)]
+
+
+def _tokenize(prompts: list[Prompt], tokenizer_path, vocab: int) -> list[list[int]]:
+    """Token ids of every prompt (text via the checkpoint's tokenizer.json), each id in
+    the model's vocabulary."""
+    tok = None
+    out = []
+    for p in prompts:
+        ids = p.ids
+        if ids is None:
+            if tokenizer_path is None:
+                raise ValueError(f"{p.label}: text prompts need a checkpoint with "
+                                 "tokenizer.json; give token ids instead")
+            if tok is None:
+                from tokenizers import Tokenizer
+                tok = Tokenizer.from_file(str(tokenizer_path))
+            ids = tok.encode(p.text).ids
+            if not ids:
+                raise ValueError(f"{p.label}: the prompt text encodes to no tokens")
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"{p.label}: token id {bad[0]} is invalid: allowed 0..{vocab - 1} "
+                             "(the model's vocab_size)")
+        out.append(list(ids))
+    return out
+
+
+# ----------------------------------------------------------------------------- model
+
+
+@dataclasses.dataclass
+class ModelChoice:
+    """The model config to run (weights not loaded yet) and what stderr should say."""
+    model: Any                  # jlco.config.ModelConfig
+    banner: str
+    tokenizer_path: pathlib.Path | None = None
+    own_model: bool = True      # False: the config's model was replaced by tiny's shape
+
+
+def _checkpoint_choice(path: str) -> ModelChoice:
+    """The checkpoint's model config and compute dtype, read without its weights."""
+    from jlco.checkpoint.load import (
+        checkpoint_dtype,
+        checkpoint_kind,
+        read_hf_config,
+        read_manifest,
+    )
+    kind = checkpoint_kind(path)
+    saved, where = checkpoint_dtype(path)
+    if kind == "orbax":
+        if FLAGS.dtype and FLAGS.dtype != saved:
+            raise ValueError(f"--dtype={FLAGS.dtype} is invalid for {path!r}: the Orbax checkpoint "
+                             f"holds {saved} weights; allowed --dtype={saved} (or convert the "
+                             f"HF checkpoint again with --dtype {FLAGS.dtype})")
+        mcfg, why = read_manifest(path)[0], f"stored in {where}"
+    else:
+        dtype, why = ((FLAGS.dtype, "--dtype") if FLAGS.dtype else
+                      (saved, f"from {where}") if saved else ("bfloat16", f"{where}: default"))
+        mcfg = read_hf_config(path, dtype=dtype)
+    tok = pathlib.Path(path) / "tokenizer.json"
+    return ModelChoice(mcfg, f"checkpoint {path} ({'jlco Orbax' if kind == 'orbax' else 'HF'}): "
+                             f"dtype {mcfg.dtype} ({why})", tok if tok.is_file() else None)
+
+
+def _random_choice(base) -> ModelChoice:
+    """The random-weight model: the config's own when small enough to build, else
+    configs/tiny.py's model section (its positions raised to the config's context)."""
+    from jlco.config import load_config
+    from jlco.planning.params import weight_bytes
+    m, cfg_name = base.model, base.name
+    width = 4 if (FLAGS.dtype or m.dtype) == "float32" else 2
+    nbytes = weight_bytes(m, ep=1, weight_format="bf16").params_total * width
+    own = nbytes <= RANDOM_MODEL_MAX_BYTES
+    if own:
+        what = f"the {cfg_name} config's model"
+    else:
+        tiny = load_config(_TINY).model
+        m = dataclasses.replace(tiny, max_position_embeddings=max(
+            tiny.max_position_embeddings, base.engine.max_context_len))
+        what = (f"configs/tiny.py's model section: the {cfg_name} config's model has "
+                f"{nbytes / 2**30:.0f} GiB of weights, too big to build with random ones; "
+                f"its engine context ({base.engine.max_context_len}) and cache settings "
+                f"(offload {'on' if base.cache.offload else 'off'}, kv_format "
+                f"{base.cache.kv_format}) are kept")
+    dtype_why = f"{cfg_name} model.dtype" if own else "configs/tiny.py model.dtype"
+    if FLAGS.dtype:
+        m, dtype_why = dataclasses.replace(m, dtype=FLAGS.dtype), "--dtype"
+    return ModelChoice(m, f"no --checkpoint: using a small RANDOM-WEIGHT model ({what}; seed "
+                          f"{FLAGS.seed}; dtype {m.dtype} from {dtype_why}); outputs are "
+                          "meaningless tokens", None, own)
+
+
+def _load_weights(choice: ModelChoice):
+    """(model config, model): the checkpoint's weights, or random ones."""
+    if FLAGS.checkpoint is None:
+        from flax import nnx
+
+        from jlco.model.decoder import DeepseekV32
+        return choice.model, DeepseekV32(choice.model, rngs=nnx.Rngs(FLAGS.seed))
+    from jlco.checkpoint.load import load_model
+    mcfg, model, info = load_model(FLAGS.checkpoint, {"dtype": choice.model.dtype},
+                                   verify=FLAGS.verify_checkpoint)
+    if FLAGS.num_draft_tokens and not info["has_mtp"]:
+        raise ValueError(f"--num_draft_tokens={FLAGS.num_draft_tokens}: MTP is unavailable, "
+                         f"checkpoint {FLAGS.checkpoint} has no MTP layer (model.layers."
+                         f"{mcfg.num_hidden_layers}.*); checkpoints saved by transformers carry none")
+    return mcfg, model
+
+
+# ----------------------------------------------------------------------------- engine
+
+
+def _bucket(n: int, cap: int, minimum: int) -> int:
+    """Next power of two >= max(n, minimum), at most `cap`: nearby request sizes share
+    one compiled shape (and the persistent compilation cache)."""
+    return min(cap, 1 << (max(n, minimum) - 1).bit_length())
+
+
+def engine_shape(model, engine, lens: list[int], max_new: int, explicit: bool,
+                 own_model: bool) -> dict:
+    """Config overrides sizing `engine` (an EngineConfig) for these prompts on `model`
+    (see the module docstring). A request longer than the model allows is a ValueError
+    naming max_position_embeddings."""
+    mpe = model.max_position_embeddings
+    need = max(lens) + max_new
+    if need > mpe:
+        raise ValueError(f"the longest prompt ({max(lens)} tokens) + --max_new_tokens "
+                         f"({max_new}) = {need} exceeds the model's max_position_embeddings "
+                         f"({mpe})")
+    if explicit:
+        ctx = max(need, engine.max_context_len)
+        if ctx > mpe:
+            raise ValueError(f"engine.max_context_len={ctx} (from --config {FLAGS.config}) is "
+                             f"invalid: allowed <= the model's max_position_embeddings ({mpe}); "
+                             "omit --config to size the context from the request")
+    else:
+        ctx = _bucket(need, mpe, MIN_CONTEXT)
+    batch = len(lens)
+    if explicit and own_model:
+        batch = max(batch, engine.max_batch_size)
+    chunk = min(engine.prefill_chunk, _bucket(max(lens), engine.prefill_chunk, MIN_CHUNK))
+    return dict(engine__max_context_len=ctx, engine__max_batch_size=batch,
+                engine__prefill_chunk=chunk)
+
+
+def _timing(step_s: list[float], prefill_s: float, loop_s: float, decode_tokens: int) -> dict:
+    """compile_s: the first decode step's excess over the median step (its compilation;
+    prefill_s includes the prefill's own). decode_s: the decode loop without it."""
+    steps = list(step_s)
+    p50 = statistics.median(steps) if steps else None
+    compile_s = max(0.0, steps[0] - p50) if steps else 0.0
+    decode_s = max(0.0, loop_s - compile_s)
+    return {"compile_s": round(compile_s, 4), "prefill_s": round(prefill_s, 4),
+            "decode_s": round(decode_s, 4),
+            "decode_tokens_per_s": (round(decode_tokens / decode_s, 2)
+                                    if steps and decode_s > 0 else None),
+            "step_ms_p50": round(p50 * 1e3, 3) if steps else None}
+
+
+def _decode(engine, prompts: list[list[int]]):
+    """Submit every prompt, admit + prefill them (timed), then decode to the end (timed)."""
+    reqs = [engine.submit(p, FLAGS.max_new_tokens, FLAGS.temperature, FLAGS.seed + i)
+            for i, p in enumerate(prompts)]
+    t0 = time.perf_counter()
+    engine.admit()
+    prefill_s = time.perf_counter() - t0
+    first = sum(len(r.tokens) for r in reqs)
+    t1 = time.perf_counter()
+    while engine.step():
+        pass
+    loop_s = time.perf_counter() - t1
+    decoded = sum(len(r.tokens) for r in reqs) - first
+    return reqs, _timing(engine.step_seconds, prefill_s, loop_s, decoded)
+
+
+# ----------------------------------------------------------------------------- output
+
+
+def check_finite(results: list[dict]) -> None:
+    """A NaN/Inf log-prob means the model computed garbage: NonFiniteOutput naming it."""
+    for i, r in enumerate(results):
+        for j, lp in enumerate(r["logprobs"]):
+            if not math.isfinite(lp):
+                raise NonFiniteOutput(f"log-prob of generated token {j} (id {r['tokens'][j]}) "
+                                      f"of prompt {i} is {lp}: the model produced non-finite "
+                                      "values (bad weights?)")
+
+
+def render(results: list[dict], timing: dict, as_json: bool, batch_form: bool) -> str:
+    """stdout text: tokens per line, or strict JSON (json.dumps(allow_nan=False))."""
+    check_finite(results)
+    if not as_json:
+        return "\n".join(" ".join(map(str, r["tokens"])) for r in results)
+    doc = ({"results": results, "timing": timing} if batch_form
+           else {**results[0], "timing": timing})
+    return json.dumps(doc, allow_nan=False)
+
+
+def _report(engine, timing: dict) -> None:
+    _say(f"timing: prefill {timing['prefill_s']:.3f} s, decode {timing['decode_s']:.3f} s "
+         f"({timing['decode_tokens_per_s']} tok/s, p50 step {timing['step_ms_p50']} ms), "
+         f"compile (first decode step) {timing['compile_s']:.3f} s")
+    if engine.spec_metrics is not None:
+        m = engine.spec_metrics
+        _say(f"speculative: {FLAGS.num_draft_tokens} drafts/step, {m.steps} steps, "
+             f"drafted {m.drafted}, accepted {m.accepted} (acceptance "
+             f"{m.acceptance_rate:.3f}), {m.mean_accepted_tokens:.2f} tokens/step")
+    if engine.metrics is not None:
+        snap = engine.metrics.snapshot()["total"]
+        _say(f"offload: hit rate {snap['hit_rate']:.3f}, H2D {snap['h2d_bytes']} B, "
+             f"warm-up rows {engine.runner.warmup_rows}")
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def _prepare():
+    """Everything that can fail on bad input, cheapest first: (cfg, model, prompts)."""
+    from jlco.config import load_config
+    prompts = _prompts_from_flags()
+    explicit = FLAGS.config is not None
+    base = load_config(FLAGS.config or _TINY)
+    if FLAGS.checkpoint is not None:
+        choice = _checkpoint_choice(FLAGS.checkpoint)
+        name = pathlib.Path(FLAGS.checkpoint).name or base.name
+    else:
+        choice = _random_choice(base)
+        name = base.name
+    ids = _tokenize(prompts, choice.tokenizer_path, choice.model.vocab_size)
+    shape = engine_shape(choice.model, base.engine, [len(p) for p in ids],
+                         FLAGS.max_new_tokens, explicit, choice.own_model)
+    offload = base.cache.offload if FLAGS.offload is None else FLAGS.offload
+    over = dict(shape, cache__offload=offload, engine__num_draft_tokens=FLAGS.num_draft_tokens,
+                **({"engine__attention_impl": FLAGS.impl} if FLAGS.impl else {}))
+    base.replace(model=choice.model, **over)   # validate before loading any weight
+    _say(choice.banner)
+    mcfg, model = _load_weights(choice)
+    cfg = base.replace(model=mcfg, name=name, **over)
+    _say(f"engine: {len(ids)} prompt(s), batch {cfg.engine.max_batch_size}, context "
+         f"{cfg.engine.max_context_len}, offload {'on' if cfg.cache.offload else 'off'}")
+    return cfg, model, ids
 
 
 def main(argv):
-    del argv
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     logging.set_verbosity(logging.WARNING)
-    from jlco.config import ConfigError
-    from jlco.engine.core import Engine, RequestError
-    try:
-        cfg, model, tok_path = _load(FLAGS.config)
-        prompt = _prompt(tok_path)
-        offload = cfg.cache.offload if FLAGS.offload is None else FLAGS.offload
-        need = len(prompt) + FLAGS.max_new_tokens
-        cfg = cfg.replace(cache__offload=offload, engine__max_batch_size=1,
-                          engine__num_draft_tokens=FLAGS.num_draft_tokens,
-                          engine__max_context_len=max(need, cfg.engine.max_context_len),
-                          **({"engine__attention_impl": FLAGS.impl} if FLAGS.impl else {}))
+    compile_cache.enable()
+    with cli.errors_exit(PROG, ValueError, OSError, NotImplementedError):
+        cfg, model, prompts = _prepare()
+        from jlco.engine.core import Engine
         engine = Engine(cfg, model)
-        req = engine.submit(prompt, FLAGS.max_new_tokens, FLAGS.temperature, FLAGS.seed)
-        engine.run()
-    except (ConfigError, RequestError, ValueError) as e:
-        _fail(str(e))
-    if FLAGS.json:
-        print(json.dumps({"tokens": req.tokens, "logprobs": req.logprobs}))
-    else:
-        print(" ".join(map(str, req.tokens)))
-    if engine.spec_metrics is not None:
-        m = engine.spec_metrics
-        print(f"speculative: {FLAGS.num_draft_tokens} drafts/step, {m.steps} steps, "
-              f"drafted {m.drafted}, accepted {m.accepted} (acceptance "
-              f"{m.acceptance_rate:.3f}), {m.mean_accepted_tokens:.2f} tokens/step",
-              file=sys.stderr)
-    if engine.metrics is not None:
-        snap = engine.metrics.snapshot()["total"]
-        print(f"offload: hit rate {snap['hit_rate']:.3f}, H2D {snap['h2d_bytes']} B, "
-              f"warm-up rows {engine.runner.warmup_rows}", file=sys.stderr)
+        reqs, timing = _decode(engine, prompts)
+    results = [{"tokens": list(r.tokens), "logprobs": [float(x) for x in r.logprobs]}
+               for r in reqs]
+    with cli.errors_exit(PROG, NonFiniteOutput, code=cli.FAILURE_EXIT):
+        text = render(results, timing, FLAGS.json, FLAGS.prompts_file is not None)
+    print(text)
+    _report(engine, timing)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,9 @@
 """`python -m jlco.sim [--json] [--plot_dir DIR]`: fit the decode-throughput simulator of
-`jlco.planning.throughput` on ESS's calibration rows and print its predictions."""
+`jlco.planning.throughput` on ESS's calibration rows and print its predictions.
+
+An unknown --hardware or an unwritable --plot_dir is one `jlco.sim: error: ...` line on
+stderr (exit 2), checked before the fit runs; PNGs are written atomically.
+"""
 
 from __future__ import annotations
 
@@ -7,20 +11,38 @@ import json
 
 from absl import app, flags
 
+from jlco.planning.hardware import HARDWARE, get_hardware
 from jlco.planning.throughput import format_table, plot, run
+from jlco.util import atomic, cli
+
+PROG = "jlco.sim"
 
 
 def main(argv) -> None:
-    del argv
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     f = flags.FLAGS
-    out = run(f.hardware)
+    with cli.errors_exit(PROG, ValueError, OSError):
+        _check_flags(f)
+        out = run(f.hardware)
+        if f.plot_dir:
+            out["plots"] = plot(out, f.plot_dir)
+        text = json.dumps(out, indent=1, allow_nan=False) if f.json else format_table(out)
+    print(text)
+
+
+def _check_flags(f) -> None:
+    try:
+        get_hardware(f.hardware)
+    except ValueError:
+        raise ValueError(f"--hardware={f.hardware!r} is invalid: allowed one of "
+                         f"{', '.join(HARDWARE)} (case-insensitive)") from None
     if f.plot_dir:
-        out["plots"] = plot(out, f.plot_dir)
-    print(json.dumps(out, indent=1) if f.json else format_table(out))
+        atomic.check_writable(f.plot_dir, "--plot_dir")
 
 
 def define_flags() -> None:
-    flags.DEFINE_string("hardware", "h200", "hardware profile key (jlco.planning.hardware.HARDWARE)")
+    flags.DEFINE_string("hardware", "h200", "hardware profile key: " + ", ".join(HARDWARE))
     flags.DEFINE_bool("json", False, "print everything as JSON instead of the table")
     flags.DEFINE_string("plot_dir", "", "write PNG plots here (beside the JSON)")
 

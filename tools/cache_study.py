@@ -16,13 +16,17 @@ hits / lookups summed over requests, per layer, after `--warmup` steps.
 from __future__ import annotations
 
 import json
+import pathlib
+import struct
 
 import numpy as np
 from absl import app, flags
 
 from jlco.planning import trace
+from jlco.util import atomic, cli
 
 FLAGS = flags.FLAGS
+PROG = "cache_study"
 
 
 def define_flags() -> None:
@@ -30,18 +34,19 @@ def define_flags() -> None:
     (tests, other tools) never collides with another CLI's flag names."""
     flags.DEFINE_string("trace", "", "trace file written by jlco.planning.trace.TraceWriter")
     flags.DEFINE_bool("synthetic", False, "generate an ESS-shaped synthetic trace instead")
-    flags.DEFINE_integer("context", 8192, "synthetic: context tokens")
-    flags.DEFINE_integer("topk", 512, "synthetic: top-k")
-    flags.DEFINE_integer("layers", 61, "synthetic: layers")
-    flags.DEFINE_integer("steps", 48, "synthetic: decode steps")
-    flags.DEFINE_integer("requests", 1, "synthetic: requests")
-    flags.DEFINE_integer("queries_per_step", 1, "synthetic: s_q (1 + MTP drafts)")
-    flags.DEFINE_float("accept", 1.0, "synthetic: mean accepted tokens per step")
-    flags.DEFINE_integer("seed", 0, "synthetic: seed")
+    flags.DEFINE_integer("context", 8192, "synthetic: context tokens", lower_bound=1)
+    flags.DEFINE_integer("topk", 512, "synthetic: top-k (<= --context)", lower_bound=1)
+    flags.DEFINE_integer("layers", 61, "synthetic: layers", lower_bound=1)
+    flags.DEFINE_integer("steps", 48, "synthetic: decode steps", lower_bound=1)
+    flags.DEFINE_integer("requests", 1, "synthetic: requests", lower_bound=1)
+    flags.DEFINE_integer("queries_per_step", 1, "synthetic: s_q (1 + MTP drafts)", lower_bound=1)
+    flags.DEFINE_float("accept", 1.0, "synthetic: mean accepted tokens per step "
+                       "(1..queries_per_step)", lower_bound=1.0)
+    flags.DEFINE_integer("seed", 0, "synthetic: seed", lower_bound=0)
     flags.DEFINE_list("capacities", [], "hot-buffer rows per request per layer (default: "
                       "1, 1.5, 2, 3, 4 x the largest step set)")
     flags.DEFINE_list("policies", list(trace.POLICIES), "policies to replay")
-    flags.DEFINE_integer("warmup", 0, "steps replayed but not counted")
+    flags.DEFINE_integer("warmup", 0, "steps replayed but not counted", lower_bound=0)
     flags.DEFINE_bool("json", False, "print JSON instead of the table")
     flags.DEFINE_string("plot", "", "write a PNG of hit rate vs capacity here")
 
@@ -98,25 +103,65 @@ def _plot(out: dict, path: str) -> None:
     ax.set(xlabel="hot-buffer rows per request per layer", ylabel="hit rate (mean of layers)")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    with atomic.temp_sibling(path) as tmp:   # never a half-written PNG
+        fig.savefig(tmp, dpi=100, format="png")
     plt.close(fig)
 
 
-def main(argv) -> None:
-    del argv
+def _capacities(values) -> list[int]:
+    try:
+        caps = [int(c) for c in values]
+    except ValueError:
+        caps = []
+    if len(caps) != len(values) or any(c < 1 for c in caps):
+        raise ValueError(f"--capacities={','.join(values)} is invalid: allowed a "
+                         "comma-separated list of positive integers")
+    return caps
+
+
+def _check_flags() -> None:
+    """Flag combinations absl's per-flag bounds cannot see; bad ones name the flag."""
     if bool(FLAGS.trace) == FLAGS.synthetic:
-        raise app.UsageError("give exactly one of --trace PATH or --synthetic")
-    if FLAGS.synthetic:
-        tr = trace.synthetic_trace(FLAGS.context, FLAGS.topk, FLAGS.layers, FLAGS.steps,
-                                   FLAGS.requests, queries_per_step=FLAGS.queries_per_step,
-                                   accept=FLAGS.accept, seed=FLAGS.seed)
-    else:
-        tr = trace.read_trace(FLAGS.trace)
-    caps = [int(c) for c in FLAGS.capacities] or _default_caps(tr)
-    out = study(tr, caps, FLAGS.policies, FLAGS.warmup)
+        raise ValueError("give exactly one of --trace PATH or --synthetic")
+    bad = [p for p in FLAGS.policies if p not in trace.POLICIES]
+    if bad or not FLAGS.policies:
+        raise ValueError(f"--policies={','.join(FLAGS.policies)} is invalid: allowed a "
+                         f"comma-separated subset of {', '.join(trace.POLICIES)}")
+    if FLAGS.synthetic and FLAGS.topk > FLAGS.context:
+        raise ValueError(f"--topk={FLAGS.topk} is invalid: allowed <= --context "
+                         f"({FLAGS.context})")
+    if FLAGS.synthetic and FLAGS.accept > FLAGS.queries_per_step:
+        raise ValueError(f"--accept={FLAGS.accept} is invalid: allowed 1..--queries_per_step "
+                         f"({FLAGS.queries_per_step})")
+    if FLAGS.trace and not pathlib.Path(FLAGS.trace).is_file():
+        raise ValueError(f"--trace={FLAGS.trace!r}: no such file")
     if FLAGS.plot:
-        _plot(out, FLAGS.plot)
-    print(json.dumps(out, indent=1) if FLAGS.json else _table(out))
+        atomic.check_writable(FLAGS.plot, "--plot")
+
+
+def _load_trace() -> trace.Trace:
+    if FLAGS.synthetic:
+        return trace.synthetic_trace(FLAGS.context, FLAGS.topk, FLAGS.layers, FLAGS.steps,
+                                     FLAGS.requests, queries_per_step=FLAGS.queries_per_step,
+                                     accept=FLAGS.accept, seed=FLAGS.seed)
+    try:
+        return trace.read_trace(FLAGS.trace)
+    except (struct.error, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"--trace={FLAGS.trace!r}: damaged trace header ({err})") from None
+
+
+def main(argv) -> None:
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    with cli.errors_exit(PROG, ValueError, OSError):
+        _check_flags()
+        caps = _capacities(FLAGS.capacities)
+        tr = _load_trace()
+        caps = caps or _default_caps(tr)
+        out = study(tr, caps, FLAGS.policies, FLAGS.warmup)
+        if FLAGS.plot:
+            _plot(out, FLAGS.plot)
+    print(cli.report_json(out) if FLAGS.json else _table(out))
 
 
 if __name__ == "__main__":

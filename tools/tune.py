@@ -38,8 +38,10 @@ from absl import app, flags
 
 from jlco.config import Config, ConfigError, load_config
 from jlco.engine.core import Engine
+from jlco.util import atomic, cli, compile_cache
 
 FLAGS = flags.FLAGS
+PROG = "tune"
 
 
 def define_flags() -> None:
@@ -57,19 +59,22 @@ def define_flags() -> None:
     flags.DEFINE_list("storage", [], "cache.storage values (default: the config's; 'file' needs "
                       "cache.storage_path in the config)")
     flags.DEFINE_integer("max_trials", 8, "most candidates compiled and timed (the config's own "
-                         "knobs first; unsupported ones cost nothing and are not counted)")
+                         "knobs first; unsupported ones cost nothing and are not counted)",
+                         lower_bound=1)
     flags.DEFINE_integer("repeats", 3, "timed passes of the workload per candidate (the median "
-                         "pass by throughput is reported; a busy machine makes single passes noisy)")
-    flags.DEFINE_integer("num_requests", 4, "requests in the workload")
-    flags.DEFINE_integer("prompt_len", 64, "prompt tokens per request")
-    flags.DEFINE_integer("gen_len", 16, "generated tokens per request")
-    flags.DEFINE_integer("batch", 0, "engine.max_batch_size (0 = the config's)")
-    flags.DEFINE_integer("max_context_len", 0, "engine.max_context_len (0 = the config's)")
-    flags.DEFINE_float("tpot_ms", 0.0, "TPOT limit in ms (0 = none)")
+                         "pass by throughput is reported; a busy machine makes single passes noisy)",
+                         lower_bound=1)
+    flags.DEFINE_integer("num_requests", 4, "requests in the workload", lower_bound=1)
+    flags.DEFINE_integer("prompt_len", 64, "prompt tokens per request", lower_bound=1)
+    flags.DEFINE_integer("gen_len", 16, "generated tokens per request", lower_bound=1)
+    flags.DEFINE_integer("batch", 0, "engine.max_batch_size (0 = the config's)", lower_bound=0)
+    flags.DEFINE_integer("max_context_len", 0, "engine.max_context_len (0 = the config's)",
+                         lower_bound=0)
+    flags.DEFINE_float("tpot_ms", 0.0, "TPOT limit in ms (0 = none)", lower_bound=0.0)
     flags.DEFINE_enum("tpot_stat", "mean", ["mean", "p90"], "which TPOT the limit applies to")
     flags.DEFINE_bool("reference", True, "also run offload off as the token reference")
     flags.DEFINE_string("impl", "", "attention impl (default: 'xla' on CPU, else the config's)")
-    flags.DEFINE_integer("seed", 0, "prompt and candidate-order seed")
+    flags.DEFINE_integer("seed", 0, "prompt and candidate-order seed", lower_bound=0)
     flags.DEFINE_bool("json", False, "print JSON instead of the table")
 
 
@@ -260,13 +265,15 @@ def _render(obj, indent: int, names: set) -> str:
 
 
 def write_config(cfg: Config, path: str | pathlib.Path, doc: str = "") -> None:
-    """Write `cfg` as a config file and read it back: the file must load to `cfg`."""
+    """Write `cfg` as a config file, atomically: it is written beside `path`, read back
+    (it must load to `cfg`) and only then renamed onto `path`, so `path` never holds a
+    half-written or wrong config."""
     path = pathlib.Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(render_config(cfg, doc))
-    back = load_config(path)
-    if back != cfg:
-        raise RuntimeError(f"{path}: written config does not load back equal to the winner")
+    with atomic.temp_sibling(path, suffix=".py") as tmp:
+        tmp.write_text(render_config(cfg, doc))
+        back = load_config(tmp)
+        if back != cfg:
+            raise RuntimeError(f"{path}: written config does not load back equal to the winner")
 
 
 def _table(report: dict) -> str:
@@ -292,11 +299,13 @@ def _table(report: dict) -> str:
 
 
 def _load(cfg: Config):
-    """(cfg, model): random weights from cfg.model, or the checkpoint's model, whose own
+    """(cfg, model): random weights from cfg.model, or the checkpoint's model (in the
+    dtype its config.json names, else bfloat16, as `jlco.generate` does), whose own
     model config then replaces cfg.model (cache/engine sections stay the config's)."""
     if FLAGS.checkpoint:
-        from jlco.checkpoint.load import load_model
-        mcfg, model, _ = load_model(FLAGS.checkpoint)
+        from jlco.checkpoint.load import checkpoint_dtype, load_model
+        dtype = checkpoint_dtype(FLAGS.checkpoint)[0] or "bfloat16"
+        mcfg, model, _ = load_model(FLAGS.checkpoint, {"dtype": dtype})
         return cfg.replace(model=mcfg), model
     from flax import nnx
 
@@ -330,21 +339,27 @@ def _workload_cfg(cfg: Config) -> Config:
     return cfg.replace(**over) if over else cfg
 
 
-def main(argv) -> None:
-    del argv
+def _prepare():
+    """(cfg, candidates, workload, model): every check of the flags, the config, the
+    output path and the checkpoint, before anything compiles."""
     if not FLAGS.config:
-        raise app.UsageError("--config is required (a python config file, configs/*.py)")
-    try:
-        cfg = _workload_cfg(load_config(FLAGS.config))
-        for name in ("max_trials", "repeats"):
-            if FLAGS[name].value < 1:
-                raise ValueError(f"--{name}={FLAGS[name].value} is invalid: allowed >= 1")
-        cands = candidates(cfg, _grid(cfg), FLAGS.seed)
-        work = Workload.random(cfg.model.vocab_size, FLAGS.num_requests, FLAGS.prompt_len,
-                               FLAGS.gen_len, FLAGS.seed)
-    except (ConfigError, ValueError) as e:
-        raise app.UsageError(str(e)) from None
+        raise ValueError("--config is required (a python config file, configs/*.py)")
+    cfg = _workload_cfg(load_config(FLAGS.config))
+    cands = candidates(cfg, _grid(cfg), FLAGS.seed)
+    work = Workload.random(cfg.model.vocab_size, FLAGS.num_requests, FLAGS.prompt_len,
+                           FLAGS.gen_len, FLAGS.seed)
+    if FLAGS.output:
+        atomic.check_writable(FLAGS.output, "--output")
     cfg, model = _load(cfg)
+    return cfg, cands, work, model
+
+
+def main(argv) -> None:
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    compile_cache.enable()
+    with cli.errors_exit(PROG, ConfigError, ValueError, OSError):
+        cfg, cands, work, model = _prepare()
     cands = [c.replace(model=cfg.model) for c in cands]
     impl = FLAGS.impl or ("xla" if jax.default_backend() == "cpu" else cfg.engine.attention_impl)
     ref = cfg.replace(cache__offload=False) if FLAGS.reference else None
@@ -375,7 +390,7 @@ def main(argv) -> None:
     for t in [report["reference"]] + report["trials"]:
         if t is not None:
             t.pop("tokens", None)
-    print(json.dumps(report, indent=1) if FLAGS.json else _table(report))
+    print(cli.report_json(report) if FLAGS.json else _table(report))
     sys.exit(code)
 
 

@@ -3,17 +3,21 @@
 `load_hf_checkpoint` reads a `transformers`-layout DeepSeek-V3.2 directory (one
 `model.safetensors` or shards named by `model.safetensors.index.json`), checks every
 tensor against the expected name → shape table and dequantises fp8 weights. A wrong
-checkpoint fails here, naming the tensor and the shard, not later inside the model.
+checkpoint fails here, naming the tensor and the shard, not later inside the model: a
+config.json field missing or out of range, a shape, a dtype, a NaN/Inf weight.
 
 `save_orbax` / `restore_orbax` keep a converted model as an Orbax item plus
-`jlco_checkpoint.json` (the ModelConfig and one shape/dtype line per leaf): Orbax enforces
-shapes on restore but silently casts dtypes, so the manifest is what enforces dtypes.
-`load_model` takes either kind of directory and returns a ready model.
+`jlco_checkpoint.json` (the ModelConfig and one shape/dtype/sha256 line per leaf): Orbax
+enforces shapes on restore but silently casts dtypes and restores flipped bytes, so the
+manifest is what enforces dtypes and integrity. Any restore failure is one
+CheckpointError. `load_model` takes either kind of directory and returns a ready model.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+import hashlib
 import json
 import os
 import pathlib
@@ -35,16 +39,19 @@ from jlco.checkpoint.safetensors_io import (
     CheckpointError,
     dequantize_fp8_blocks,
 )
-from jlco.config import ModelConfig, RopeScaling
+from jlco.config import ConfigError, ModelConfig, RopeScaling, hf_dtype
 from jlco.model.decoder import DeepseekV32
+from jlco.util import atomic
 
 __all__ = ["CheckpointError", "HFCheckpoint", "ignored_tensors", "load_hf_checkpoint",
            "expected_hf_tensors", "check_new_output", "save_orbax", "restore_orbax", "load_model",
+           "read_hf_config", "checkpoint_dtype", "load_dtype",
            "MANIFEST_NAME", "STATE_DIR", "dequantize_fp8_blocks", "FP8_BLOCK"]
 
 MANIFEST_NAME = "jlco_checkpoint.json"
 STATE_DIR = "state"
-_FORMAT_VERSION = 1
+_FORMAT_VERSION = 2          # 2: the manifest records a sha256 per leaf
+_READ_VERSIONS = (1, 2)
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 _SCALE_SUFFIX = "_scale_inv"
@@ -155,12 +162,48 @@ def _out_dtype(dtype: Any) -> np.dtype:
     return dt
 
 
-def read_hf_config(path: str | os.PathLike, **overrides: Any) -> ModelConfig:
-    path = pathlib.Path(path)
+def _hf_config_dict(path: pathlib.Path) -> tuple[pathlib.Path, dict]:
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise CheckpointError(f"{str(path)!r} has no config.json (not an HF checkpoint dir)")
-    return ModelConfig.from_hf_dict(json.loads(cfg_file.read_text()), **overrides)
+    try:
+        return cfg_file, json.loads(cfg_file.read_text())
+    except (ValueError, OSError) as err:
+        raise CheckpointError(f"{cfg_file}: cannot be read as JSON ({err})") from None
+
+
+def read_hf_config(path: str | os.PathLike, **overrides: Any) -> ModelConfig:
+    """The ModelConfig of a HF checkpoint's config.json; a missing, mistyped or
+    out-of-range field is a CheckpointError naming config.json and the field."""
+    cfg_file, d = _hf_config_dict(pathlib.Path(path))
+    try:
+        return ModelConfig.from_hf_dict(d, **overrides)
+    except ConfigError as err:
+        raise CheckpointError(f"{cfg_file}: {err}") from None
+    except TypeError as err:   # e.g. an unknown key inside rope_scaling
+        raise CheckpointError(f"{cfg_file}: {err}") from None
+
+
+def checkpoint_dtype(path: str | os.PathLike) -> tuple[str | None, str]:
+    """(dtype, where it was read) of a HF or jlco Orbax checkpoint, without its weights:
+    HF: config.json's `dtype` (transformers 5) or `torch_dtype`, (None, ...) when it
+    names none; Orbax: the dtype its weights were converted to (its manifest)."""
+    path = pathlib.Path(path)
+    if checkpoint_kind(path) == "orbax":
+        return read_manifest(path)[0].dtype, f"the Orbax manifest {MANIFEST_NAME}"
+    cfg_file, d = _hf_config_dict(path)
+    try:
+        dtype, key = hf_dtype(d)
+    except ConfigError as err:
+        raise CheckpointError(f"{cfg_file}: {err}") from None
+    return dtype, (f"config.json {key!r}" if dtype else "config.json names no dtype")
+
+
+def load_dtype(model_dtype: str) -> np.dtype:
+    """The dtype HF tensors are read into for a model computing in `model_dtype`: f32 and
+    bf16 directly; float16 via f32 (model_from_hf casts each weight once, so bf16/fp8
+    sources are not rounded twice)."""
+    return np.dtype(ml_dtypes.bfloat16) if model_dtype == "bfloat16" else np.dtype(np.float32)
 
 
 def load_hf_checkpoint(path: str | os.PathLike, *, dtype: Any = np.float32,
@@ -175,8 +218,9 @@ def load_hf_checkpoint(path: str | os.PathLike, *, dtype: Any = np.float32,
     """
     path = pathlib.Path(path)
     out_dt = _out_dtype(dtype)
-    cfg = read_hf_config(path, **dict(cfg_overrides or {}))
+    _hf_config_dict(path)              # is it a checkpoint at all (config.json, weights)?
     entries = st.index_checkpoint(path)
+    cfg = read_hf_config(path, **dict(cfg_overrides or {}))
     mtp_prefix = f"model.layers.{cfg.num_hidden_layers}."
     has_mtp = any(n.startswith(mtp_prefix) for n in entries)
     # The MTP layer exists in the model iff its tensors exist: transformers' saves carry
@@ -198,10 +242,23 @@ def load_hf_checkpoint(path: str | os.PathLike, *, dtype: Any = np.float32,
             arr = dequantize_fp8_blocks(raw, st.read_tensor(scale)).astype(out_dt, copy=False)
         else:
             arr = raw.astype(out_dt)  # astype copies: the memory map is not kept alive
+        _check_finite(name, e, arr)
         tensors[name] = arr
     tok = path / "tokenizer.json"
     return HFCheckpoint(config=cfg, tensors=tensors, has_mtp=has_mtp, path=path,
                         tokenizer_path=tok if tok.is_file() else None)
+
+
+def _check_finite(name: str, e: st.TensorEntry, arr: np.ndarray) -> None:
+    """A NaN or Inf weight decodes to garbage (or NaN log-probs) without any error, so
+    it is a load error naming the tensor and its shard. Checked after dequantisation, so
+    a bad fp8 block scale is caught too."""
+    bad = ~np.isfinite(arr)
+    if bad.any():
+        first = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise CheckpointError(f"tensor {name!r} ({e.file.name}) has {int(bad.sum())} "
+                              f"non-finite value(s) (NaN/Inf), the first at index "
+                              f"{list(first)}: allowed finite weights only")
 
 
 # ----------------------------------------------------------------------------- Orbax
@@ -212,24 +269,45 @@ def _config_to_json(cfg: ModelConfig) -> dict:
 
 
 def _config_from_json(d: Mapping[str, Any], where: str) -> ModelConfig:
+    if not isinstance(d, Mapping):
+        raise CheckpointError(f"{where}: model_config must be a JSON object")
     d = dict(d)
     names = {f.name for f in dataclasses.fields(ModelConfig)}
     unknown = sorted(set(d) - names)
     if unknown:
         raise CheckpointError(f"{where}: unknown model config field(s) {unknown}")
-    rs = d.get("rope_scaling")
-    d["rope_scaling"] = RopeScaling(**rs) if rs is not None else None
-    return ModelConfig(**d)
+    try:
+        rs = d.get("rope_scaling")
+        d["rope_scaling"] = RopeScaling(**rs) if rs is not None else None
+        return ModelConfig(**d)
+    except (ConfigError, TypeError) as err:
+        raise CheckpointError(f"{where}: model_config: {err}") from None
 
 
 def _leaf_key(path: tuple) -> str:
     return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
 
 
+def _leaves(tree: Any) -> dict[str, Any]:
+    return {_leaf_key(p): x for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
 def _leaf_table(tree: Any) -> dict[str, dict]:
-    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
-    return {_leaf_key(p): {"shape": list(x.shape), "dtype": str(np.dtype(x.dtype))}
-            for p, x in flat}
+    return {k: {"shape": list(x.shape), "dtype": str(np.dtype(x.dtype))}
+            for k, x in _leaves(tree).items()}
+
+
+def _digest(x: Any) -> str:
+    """sha256 of a leaf's bytes (C order, native little-endian)."""
+    a = np.ascontiguousarray(np.asarray(x)).reshape(-1).view(np.uint8)
+    return hashlib.sha256(a).hexdigest()
+
+
+def _digests(tree: Any) -> dict[str, str]:
+    """sha256 per leaf, hashed on threads (hashlib releases the GIL on large buffers)."""
+    leaves = _leaves(tree)
+    with concurrent.futures.ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as pool:
+        return dict(zip(leaves, pool.map(_digest, leaves.values())))
 
 
 def _pure(state: Any) -> Any:
@@ -237,59 +315,94 @@ def _pure(state: Any) -> Any:
 
 
 def check_new_output(path: str | os.PathLike) -> pathlib.Path:
-    """Absolute `path`, refused if it already holds a checkpoint (checked before a long
-    conversion, and again by save_orbax)."""
+    """Absolute `path` if a checkpoint can be written there: it must not exist or be an
+    empty directory, and be creatable by us. Checked before a long conversion, and again
+    by save_orbax."""
     path = pathlib.Path(path).absolute()
     if (path / STATE_DIR).exists() or (path / MANIFEST_NAME).exists():
         raise CheckpointError(f"output {str(path)!r} already holds a checkpoint; "
                               "choose a new directory")
-    return path
+    if path.exists() and (not path.is_dir() or any(path.iterdir())):
+        raise CheckpointError(f"output {str(path)!r} exists and is not an empty directory; "
+                              "choose a new directory")
+    try:
+        return atomic.check_writable(path, "output")
+    except OSError as err:
+        raise CheckpointError(str(err)) from None
 
 
 def save_orbax(path: str | os.PathLike, cfg: ModelConfig, state: Any,
                tokenizer_dir: str | os.PathLike | None = None) -> pathlib.Path:
     """Write `state` (nnx.State or its pure dict) as an Orbax item + config/manifest JSON.
 
-    The path must not hold a checkpoint already: overwriting a model in place would leave
-    a half-written mix if interrupted. The manifest is written last, so a directory
-    without it (an interrupted save) is never taken for a checkpoint.
+    The manifest holds each leaf's shape, dtype and sha256 (checked on restore: Orbax
+    restores flipped bytes without complaint). The whole directory is built beside
+    `path` and renamed into place when complete (`jlco.util.atomic.new_directory`), so an
+    interrupted save never leaves a half-written checkpoint at `path`.
     """
     path = check_new_output(path)
-    path.mkdir(parents=True, exist_ok=True)
     pure = _pure(state)
-    ckptr = ocp.StandardCheckpointer()
-    ckptr.save(path / STATE_DIR, pure)
-    ckptr.wait_until_finished()
+    leaves = _leaf_table(pure)
+    for key, digest in _digests(pure).items():
+        leaves[key]["sha256"] = digest
     manifest = {"format": "jlco-orbax", "version": _FORMAT_VERSION,
-                "model_config": _config_to_json(cfg), "leaves": _leaf_table(pure)}
-    if tokenizer_dir is not None:
-        for fname in _TOKENIZER_FILES:
-            src = pathlib.Path(tokenizer_dir) / fname
-            if src.is_file():
-                (path / fname).write_bytes(src.read_bytes())
-    (path / MANIFEST_NAME).write_text(json.dumps(manifest, indent=1))
+                "model_config": _config_to_json(cfg), "checksum": "sha256", "leaves": leaves}
+    with atomic.new_directory(path) as tmp:
+        ckptr = ocp.StandardCheckpointer()
+        ckptr.save(tmp / STATE_DIR, pure)
+        ckptr.wait_until_finished()
+        if tokenizer_dir is not None:
+            for fname in _TOKENIZER_FILES:
+                src = pathlib.Path(tokenizer_dir) / fname
+                if src.is_file():
+                    (tmp / fname).write_bytes(src.read_bytes())
+        (tmp / MANIFEST_NAME).write_text(json.dumps(manifest, indent=1))
     return path
 
 
+def _read_manifest_json(mfile: pathlib.Path) -> dict:
+    try:
+        m = json.loads(mfile.read_text())
+    except (ValueError, OSError) as err:
+        raise CheckpointError(f"{mfile}: cannot be read as JSON ({err}); the checkpoint is "
+                              "damaged: convert it again") from None
+    if not isinstance(m, dict):
+        raise CheckpointError(f"{mfile}: must hold a JSON object")
+    if m.get("format") != "jlco-orbax" or m.get("version") not in _READ_VERSIONS:
+        raise CheckpointError(f"{mfile}: format {m.get('format')!r} version {m.get('version')!r}"
+                              f" is invalid: allowed 'jlco-orbax' version "
+                              f"{' or '.join(map(str, _READ_VERSIONS))}")
+    for key in ("model_config", "leaves"):
+        if not isinstance(m.get(key), dict):
+            raise CheckpointError(f"{mfile}: field {key!r} is missing or not a JSON object")
+    return m
+
+
 def read_manifest(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, dict]]:
+    """(ModelConfig, {leaf: {shape, dtype[, sha256]}}) of a jlco Orbax directory."""
     mfile = pathlib.Path(path) / MANIFEST_NAME
     if not mfile.is_file():
         raise CheckpointError(f"{str(path)!r} has no {MANIFEST_NAME} (not a jlco Orbax dir)")
-    m = json.loads(mfile.read_text())
-    if m.get("format") != "jlco-orbax" or m.get("version") != _FORMAT_VERSION:
-        raise CheckpointError(f"{mfile}: format {m.get('format')!r} version {m.get('version')!r}"
-                              f" is invalid: allowed 'jlco-orbax' version {_FORMAT_VERSION}")
+    m = _read_manifest_json(mfile)
     return _config_from_json(m["model_config"], str(mfile)), m["leaves"]
 
 
 def _check_manifest(saved: Mapping[str, dict], want: Mapping[str, dict], where: str) -> None:
-    problems = [f"leaf {k!r} missing from the checkpoint" for k in want if k not in saved]
-    problems += [f"leaf {k!r} in the checkpoint is not in the model" for k in saved
+    kind = {k: {f: v.get(f) for f in ("shape", "dtype")} if isinstance(v, dict) else v
+            for k, v in saved.items()}
+    problems = [f"leaf {k!r} missing from the checkpoint" for k in want if k not in kind]
+    problems += [f"leaf {k!r} in the checkpoint is not in the model" for k in kind
                  if k not in want]
-    problems += [f"leaf {k!r}: checkpoint {saved[k]['dtype']}{saved[k]['shape']}, model "
+    problems += [f"leaf {k!r}: checkpoint {_describe(kind[k])}, model "
                  f"{w['dtype']}{w['shape']}" for k, w in want.items()
-                 if k in saved and saved[k] != w]
+                 if k in kind and kind[k] != w]
     _raise_if(problems, pathlib.Path(where))
+
+
+def _describe(entry: Any) -> str:
+    if isinstance(entry, dict):
+        return f"{entry.get('dtype')}{entry.get('shape')}"
+    return f"malformed entry {entry!r}"
 
 
 def abstract_model(cfg: ModelConfig):
@@ -297,16 +410,56 @@ def abstract_model(cfg: ModelConfig):
     return nnx.split(nnx.eval_shape(lambda: DeepseekV32(cfg, rngs=nnx.Rngs(0))))
 
 
-def restore_orbax(path: str | os.PathLike, abstract_state: Any = None) -> tuple[ModelConfig, Any]:
+def _orbax_restore(path: pathlib.Path, target: Any) -> Any:
+    """Orbax's restore, with any failure (a truncated or deleted file, a corrupt
+    chunk: tensorstore, zarr and OCDBT each raise their own types, often with pages of
+    traceback) turned into one CheckpointError naming the directory."""
+    state_dir = path / STATE_DIR
+    if not state_dir.is_dir():
+        raise CheckpointError(f"Orbax checkpoint {str(path)!r} has no {STATE_DIR}/ directory; "
+                              "it is incomplete: convert it again")
+    try:
+        return ocp.StandardCheckpointer().restore(state_dir, target)
+    except Exception as err:  # noqa: BLE001 - see docstring: every failure is a bad file
+        first = (str(err).strip().splitlines() or [""])[0]
+        first = first.split(" See full TensorStore details")[0][:300]
+        raise CheckpointError(f"Orbax checkpoint {str(path)!r} cannot be restored "
+                              f"({type(err).__name__}: {first}); its {STATE_DIR}/ files are "
+                              "damaged or incomplete: convert it again") from None
+
+
+def _verify(path: pathlib.Path, saved: Mapping[str, dict], restored: Any) -> None:
+    """Compare each restored leaf's sha256 with the manifest's. Manifests written before
+    checksums were recorded (version 1) load with a warning line."""
+    if not all(isinstance(v, dict) and "sha256" in v for v in saved.values()):
+        print(f"warning: {path / MANIFEST_NAME} records no leaf checksums (written by an "
+              "older jlco); loading without verification; convert again to add them",
+              file=sys.stderr, flush=True)
+        return
+    got = _digests(restored)
+    bad = sorted(k for k, d in got.items() if saved[k]["sha256"] != d)
+    if bad:
+        what = "1 leaf fails its" if len(bad) == 1 else f"{len(bad)} leaves fail their"
+        raise CheckpointError(f"Orbax checkpoint {str(path)!r}: {what} sha256 checksum, "
+                              f"e.g. {bad[0]!r} (manifest "
+                              f"{saved[bad[0]]['sha256'][:12]}..., restored "
+                              f"{got[bad[0]][:12]}...): the files are corrupt; convert again")
+
+
+def restore_orbax(path: str | os.PathLike, abstract_state: Any = None, *,
+                  verify: bool = True) -> tuple[ModelConfig, Any]:
     """Restore (cfg, state). `abstract_state` defaults to the model's (nnx.eval_shape);
-    every leaf's shape and dtype must match what was saved."""
+    every leaf's shape and dtype must match what was saved, and (`verify`) its bytes the
+    sha256 recorded at save time."""
     path = pathlib.Path(path).absolute()
     cfg, leaves = read_manifest(path)
     if abstract_state is None:
         abstract_state = abstract_model(cfg)[1]
     target = _pure(abstract_state)
     _check_manifest(leaves, _leaf_table(target), str(path))
-    restored = ocp.StandardCheckpointer().restore(path / STATE_DIR, target)
+    restored = _orbax_restore(path, target)
+    if verify:
+        _verify(path, leaves, restored)
     if isinstance(abstract_state, nnx.State):
         nnx.replace_by_pure_dict(abstract_state, restored)
         return cfg, abstract_state
@@ -330,17 +483,20 @@ def checkpoint_kind(path: str | os.PathLike) -> str:
 
 
 def load_model(path: str | os.PathLike, cfg_overrides: Mapping[str, Any] | None = None,
-               *, progress: bool = True):
+               *, progress: bool = True, verify: bool = True):
     """Return (ModelConfig, DeepseekV32, info) from a HF or jlco Orbax directory.
 
-    For HF, `cfg_overrides` apply on top of config.json (e.g. dtype='float32'); for Orbax,
-    they must not change any weight's shape or dtype (the manifest check says which).
+    For HF, `cfg_overrides` apply on top of config.json (e.g. dtype='float32'; without
+    one the model computes in bfloat16 — `checkpoint_dtype` says what the checkpoint
+    itself asks for, and `jlco.generate` passes that); for Orbax, they must not change
+    any weight's shape or dtype (the manifest check says which), and `verify` checks
+    every leaf against the sha256 recorded when it was converted.
     """
     overrides = dict(cfg_overrides or {})
     kind = checkpoint_kind(path)
     if kind == "hf":
         cfg = read_hf_config(path, **overrides)
-        dt = np.float32 if cfg.dtype == "float32" else ml_dtypes.bfloat16
+        dt = load_dtype(cfg.dtype)
         ck = load_hf_checkpoint(path, dtype=dt, progress=progress, cfg_overrides=overrides)
         model = model_from_hf(ck.config, ck.tensors, mtp=ck.has_mtp)
         info = {"kind": kind, "path": str(ck.path), "has_mtp": ck.has_mtp,
@@ -350,7 +506,7 @@ def load_model(path: str | os.PathLike, cfg_overrides: Mapping[str, Any] | None 
     saved_cfg, _ = read_manifest(path)
     cfg = dataclasses.replace(saved_cfg, **overrides)
     graphdef, abstract = abstract_model(cfg)
-    _, state = restore_orbax(path, abstract)
+    _, state = restore_orbax(path, abstract, verify=verify)
     model = nnx.merge(graphdef, state)
     tok = pathlib.Path(path) / "tokenizer.json"
     info = {"kind": kind, "path": str(pathlib.Path(path).absolute()),

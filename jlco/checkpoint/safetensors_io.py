@@ -70,13 +70,14 @@ def read_header(file: str | os.PathLike) -> dict[str, TensorEntry]:
             header = json.loads(f.read(n))
         except ValueError as err:
             raise CheckpointError(f"{file}: safetensors header is not JSON ({err})") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{file}: safetensors header is not a JSON object")
     base = 8 + n
     entries = {}
     for name, d in header.items():
         if name == "__metadata__":
             continue
-        b, e = d["data_offsets"]
-        shape = tuple(int(s) for s in d["shape"])
+        b, e, shape = _entry_fields(file, name, d)
         dt = _KNOWN_DTYPES.get(d["dtype"])
         if dt is not None and e - b != math.prod(shape) * dt.itemsize:
             raise CheckpointError(f"tensor {name!r} ({file.name}): {e - b} bytes for "
@@ -88,6 +89,19 @@ def read_header(file: str | os.PathLike) -> dict[str, TensorEntry]:
     return entries
 
 
+def _entry_fields(file: pathlib.Path, name: str, d) -> tuple[int, int, tuple[int, ...]]:
+    """(begin, end, shape) of one header entry, or a CheckpointError naming the tensor."""
+    try:
+        b, e = (int(x) for x in d["data_offsets"])
+        shape = tuple(int(s) for s in d["shape"])
+        str(d["dtype"])
+    except (KeyError, TypeError, ValueError):
+        raise CheckpointError(f"tensor {name!r} ({file.name}): malformed header entry {d!r}: "
+                              "allowed {dtype, shape: [ints], data_offsets: [begin, end]}"
+                              ) from None
+    return b, e, shape
+
+
 def index_checkpoint(path: str | os.PathLike) -> dict[str, TensorEntry]:
     """All tensor entries of a HF checkpoint dir: sharded (index JSON) or single file."""
     path = pathlib.Path(path)
@@ -96,7 +110,7 @@ def index_checkpoint(path: str | os.PathLike) -> dict[str, TensorEntry]:
         if not (path / SINGLE_FILE).is_file():
             raise CheckpointError(f"{str(path)!r} has neither {SINGLE_FILE} nor {INDEX_FILE}")
         return read_header(path / SINGLE_FILE)
-    weight_map: Mapping[str, str] = json.loads(index.read_text()).get("weight_map", {})
+    weight_map = read_weight_map(index)
     shards = sorted(set(weight_map.values()))
     missing = [s for s in shards if not (path / s).is_file()]
     if missing:
@@ -116,6 +130,36 @@ def index_checkpoint(path: str | os.PathLike) -> dict[str, TensorEntry]:
                               f"{weight_map[lost[0]]} but that shard does not hold it "
                               f"({len(lost)} such tensor(s))")
     return entries
+
+
+def read_weight_map(index: pathlib.Path) -> dict[str, str]:
+    """The index's `weight_map` {tensor name: shard file}, each shard a plain relative
+    path inside the checkpoint directory: an absolute path or one with a `..` component
+    is refused, naming the entry, so a downloaded index cannot make us read (and report
+    on) files elsewhere. Symlinked shards are allowed: the Hugging Face hub cache links
+    every snapshot file into its blobs/ directory."""
+    try:
+        doc = json.loads(index.read_text())
+    except ValueError as err:
+        raise CheckpointError(f"{index}: not valid JSON ({err})") from None
+    weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise CheckpointError(f"{index}: needs a non-empty \"weight_map\" object "
+                              "{tensor name: shard file}")
+    for name, shard in weight_map.items():
+        _check_shard_name(index, name, shard)
+    return weight_map
+
+
+def _check_shard_name(index: pathlib.Path, name: str, shard) -> None:
+    where = f"{index.name} entry {name!r}"
+    if not isinstance(shard, str) or not shard:
+        raise CheckpointError(f"{where}: shard {shard!r} is invalid: allowed a file name")
+    pure = pathlib.PurePosixPath(shard.replace("\\", "/"))
+    if pure.is_absolute() or pathlib.PureWindowsPath(shard).anchor or ".." in pure.parts:
+        raise CheckpointError(f"{where}: shard path {shard!r} points outside the checkpoint "
+                              f"directory {str(index.parent)!r}: allowed a relative path "
+                              "inside it (no '..', not absolute)")
 
 
 def read_tensor(e: TensorEntry) -> np.ndarray:

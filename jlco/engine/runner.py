@@ -30,7 +30,7 @@ from jlco.config import Config
 from jlco.engine import host_driven, steps
 from jlco.engine.scheduler import Request
 from jlco.model.decode import prefill
-from jlco.model.kv_cache import DecodeCache, cache_layers, init_cache
+from jlco.model.kv_cache import DecodeCache, cache_layers, init_cache, scan_bucket
 from jlco.offload.latent import STAT_NAMES, OffloadLatent
 from jlco.offload.metrics import OffloadMetrics
 from jlco.offload.pages import PageAllocator
@@ -146,6 +146,9 @@ class ModelRunner:
         self.metrics = OffloadMetrics(cache_layers(cfg), cfg.row_bytes) if self.offload else None
         self.warmup_rows = 0   # rows fetched by admission warm-ups (all layers)
         self.cache, self.pages = allocate_cache(cfg)
+        # Positions cached per slot, mirrored on the host so choosing a step's indexer
+        # scan bucket (`kv_cache.scan_bucket`) needs no device read.
+        self.slot_len = np.zeros((self.batch,), np.int64)
         self.host = None       # the host-driven fetch path, when cfg selects it
         if self.offload and host_driven.resolve_fetch_path(cfg) == "host_driven":
             self.host = host_driven.HostDriven(cfg, self.graphdef, self.state, impl=self.impl,
@@ -242,6 +245,7 @@ class ModelRunner:
         its latent rows into the host pages `page_row` when offloaded."""
         page_row = None if page_row is None else jnp.asarray(page_row, jnp.int32)
         self.cache = self._jit_install(self.cache, temp, jnp.int32(slot), jnp.int32(n), page_row)
+        self.slot_len[slot] = n
 
     def _prefill_piece(self, req: Request, temp: DecodeCache, toks, lo: int, hi: int,
                        chunk: int):
@@ -265,9 +269,14 @@ class ModelRunner:
         for r in running:
             tokens[r.slot, 0], active[r.slot], temps[r.slot] = r.tokens[-1], True, r.temperature
             seeds[r.slot], counts[r.slot] = r.seed, len(r.tokens)
+        scan = scan_bucket(max(int(self.slot_len[r.slot]) for r in running) + 1, self.max_len)
         t0 = time.perf_counter()
-        tok, logp, self.cache = self._jit_step(self.graphdef, self.state, self.cache,
-                                               tokens, active, temps, seeds, counts)
+        tok, logp, cache = self._jit_step(self.graphdef, self.state,
+                                          dataclasses.replace(self.cache, scan_len=scan),
+                                          tokens, active, temps, seeds, counts)
+        self.cache = dataclasses.replace(cache, scan_len=None)
+        for r in running:
+            self.slot_len[r.slot] += 1
         stats = self.cache.latent.stats if self.offload else None
         tok, logp, stats, rec = jax.device_get((tok, logp, stats, self.cache.record))  # one sync
         seconds = time.perf_counter() - t0

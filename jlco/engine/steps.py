@@ -51,6 +51,7 @@ def forward(graphdef, state, cache: DecodeCache, tokens, active, *, impl):
     cache = mask_inactive(cache, active)
     saved_table = cache.latent.page_table if isinstance(cache.latent, OffloadLatent) else None
     h, cache = model(tokens, cache, impl=impl)
+    cache = dataclasses.replace(cache, scan_len=None)   # the output tree is the input's
     if saved_table is not None:
         cache = dataclasses.replace(cache, latent=dataclasses.replace(
             cache.latent, page_table=jnp.where(active[:, None], saved_table,

@@ -9,6 +9,7 @@ place. A prefill chunk is the decode path with s = chunk: no [L, L] matrix is bu
 
 from __future__ import annotations
 
+import dataclasses
 from functools import partial
 
 import jax
@@ -17,7 +18,7 @@ import numpy as np
 from flax import nnx
 
 from jlco.model.decoder import DeepseekV32
-from jlco.model.kv_cache import DecodeCache
+from jlco.model.kv_cache import DecodeCache, scan_bucket
 
 
 def split(model: DeepseekV32):
@@ -41,7 +42,7 @@ def _prefill_chunk(graphdef, state, cache, tokens, n_new, *, impl):
     model = nnx.merge(graphdef, state)
     h, cache = model(tokens, cache, n_new, impl=impl)
     last = jnp.clip(n_new - 1, 0, tokens.shape[1] - 1)
-    return h[jnp.arange(h.shape[0]), last], cache
+    return h[jnp.arange(h.shape[0]), last], dataclasses.replace(cache, scan_len=None)
 
 
 @partial(jax.jit, static_argnames=("impl",), donate_argnames=("cache",))
@@ -76,7 +77,8 @@ def prefill(model, cache: DecodeCache, tokens, prompt_lens=None, *, chunk: int,
     lens = np.full((b,), n, np.int32) if prompt_lens is None else np.asarray(prompt_lens, np.int32)
     if lens.shape != (b,) or (lens < 0).any() or (lens > n).any():
         raise ValueError(f"prefill: prompt_lens must be [batch] in 0..{n}; got {lens}")
-    room = cache.max_len - np.asarray(cache.lengths)
+    cached = np.asarray(cache.lengths)    # host copy, advanced chunk by chunk (no syncs)
+    room = cache.max_len - cached
     if (lens > room).any():
         raise ValueError(f"prefill: prompt_lens {lens} exceed cache room {room} (max_len "
                          f"{cache.max_len})")
@@ -86,6 +88,11 @@ def prefill(model, cache: DecodeCache, tokens, prompt_lens=None, *, chunk: int,
         width = min(chunk, n - start)
         piece[:, :width] = tokens[:, start:start + width]
         n_new = np.clip(lens - start, 0, chunk).astype(np.int32)
+        # Score only the positions this chunk can see (bucketed): the indexer's cost then
+        # follows the prompt, not the cache's max_len.
+        cached = cached + n_new
+        seen = int(cached.max())
+        cache = dataclasses.replace(cache, scan_len=scan_bucket(seen, cache.max_len))
         h, cache = _prefill_chunk(graphdef, state, cache, jnp.asarray(piece),
                                   jnp.asarray(n_new), impl=impl)
         last_h = h if last_h is None else jnp.where(jnp.asarray(n_new > 0)[:, None], h, last_h)

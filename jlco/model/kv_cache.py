@@ -31,7 +31,7 @@ from jlco.offload import latent as offload_latent
 
 @partial(jax.tree_util.register_dataclass,
          data_fields=("latent", "index_k", "index_scale", "lengths", "record"),
-         meta_fields=("kv_format", "key_format", "d_rope"))
+         meta_fields=("kv_format", "key_format", "d_rope", "scan_len"))
 @dataclasses.dataclass(frozen=True)
 class DecodeCache:
     latent: Any                       # per layer uint8 [b, t, row_bytes], or OffloadLatent
@@ -44,6 +44,11 @@ class DecodeCache:
     # int32 [layers, b, s, k]: the last top-k positions each layer selected (None = off).
     # The engine reads it for the admission warm-up set and for top-k traces.
     record: jax.Array | None = None
+    # Positions the indexer scores this call (None = all max_len): a static bucket above
+    # every request's length (`scan_bucket`), so a step's indexer cost follows the
+    # contexts in the batch, not max_context_len. Static (part of the tree's structure):
+    # one compile per bucket; step functions hand the cache back with None.
+    scan_len: int | None = None
 
     @property
     def batch(self) -> int:
@@ -154,11 +159,23 @@ def write_index_key(cache: DecodeCache, layer: int, k: jax.Array,
         return dataclasses.replace(cache, index_k=_scatter(cache.index_k, layer, positions, vals))
 
 
+def scan_bucket(n: int, max_len: int, minimum: int = 1024) -> int | None:
+    """The `DecodeCache.scan_len` for contexts of at most n positions: the next power of
+    two (at least `minimum`), or None when that reaches max_len (scan everything)."""
+    b = max(minimum, 1 << max(int(n) - 1, 0).bit_length())
+    return None if b >= max_len else b
+
+
 def index_keys(cache: DecodeCache, layer: int) -> tuple[jax.Array, jax.Array | None]:
-    """Keys [b, t, D] in the form `indexer_topk` takes (float, or uint8 e4m3 + scale)."""
+    """Keys [b, t, D] in the form `indexer_topk` takes (float, or uint8 e4m3 + scale);
+    t = cache.scan_len when set (positions beyond it are past every request's length)."""
     k = cache.index_k[layer]
+    t = cache.scan_len
+    if t is not None:
+        k = k[:, :t]
     if cache.key_format == "fp8":
-        return k, cache.index_scale[layer]
+        s = cache.index_scale[layer]
+        return k, s if t is None else s[:, :t]
     if k.dtype == jnp.uint16:
         k = jax.lax.bitcast_convert_type(k, jnp.bfloat16)
     return k, None

@@ -112,6 +112,8 @@ class HostLatentPool:
         self._zero_copy: bool | None = None
         shape = (self.num_rows, row_bytes)
         if storage == "file":
+            if storage_path:   # validated at config load; created on first use
+                os.makedirs(storage_path, exist_ok=True)
             fd, self._file = tempfile.mkstemp(prefix="jlco-latent-", suffix=".bin", dir=storage_path)
             os.close(fd)
             self._mm = np.memmap(self._file, np.uint8, "w+", shape=(num_layers, *shape))

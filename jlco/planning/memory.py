@@ -104,9 +104,18 @@ class MemoryPlan:
     transfer: TransferCheck | None
 
     def as_dict(self) -> dict:
+        """Plain JSON-ready values (numpy scalars become Python numbers and bools)."""
         d = dataclasses.asdict(self)
         d["weights"]["total"] = self.weights.total
-        return d
+        return _plain(d)
+
+
+def _plain(v):
+    if isinstance(v, dict):
+        return {k: _plain(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_plain(x) for x in v]
+    return v.item() if isinstance(v, np.generic) else v
 
 
 def plan(cfg: Config, hw: HardwareProfile, *, ep: int = 1, context: int | None = None,
@@ -118,6 +127,10 @@ def plan(cfg: Config, hw: HardwareProfile, *, ep: int = 1, context: int | None =
     if not isinstance(context, int) or context < 1:
         raise ValueError(f"context={context!r} is invalid: allowed a positive integer")
     reserve = hw.runtime_reserve_gb.value * 1e9 if reserve_bytes is None else reserve_bytes
+    if not reserve >= 0:   # a negative reserve would silently inflate the batch
+        raise ValueError(f"reserve_bytes={reserve!r} is invalid: allowed >= 0")
+    if not isinstance(ep, int) or isinstance(ep, bool) or ep < 1:
+        raise ValueError(f"ep={ep!r} is invalid: allowed a positive integer")
     w = weight_bytes(cfg.model, ep, weight_format)
     kw = dict(ep=ep, context=context, reserve_bytes=reserve, weight_format=weight_format)
     b_off = max_batch(cfg, hw.hbm_bytes, offload=True, **kw)
@@ -157,8 +170,10 @@ def transfer_check(cfg: Config, hw: HardwareProfile, batch: int, ep: int, contex
         rows = consts[sim.FIT_NAMES.index("miss_scale")] * per_req * batch
         source = "ESS locality profile (synthetic LRU replay x fitted miss_scale)"
     compute = float(sim.step_time(setup, batch, np.zeros(layers), np.array(consts)))
-    transfer = rows * cfg.row_bytes / hw.host_bw
-    hides = transfer <= compute
+    # Python floats and bool, not numpy scalars: MemoryPlan.as_dict() goes to json.dumps
+    # (`jlco.plan --json`), which rejects numpy's bool.
+    transfer = float(rows * cfg.row_bytes / hw.host_bw)
+    hides = bool(transfer <= compute)
     warn = "" if hides else (f"WARNING: {transfer * 1e3:.1f} ms of miss transfer per step "
                              f"cannot hide behind {compute * 1e3:.1f} ms of compute")
     return TransferCheck(float(rows), source, transfer, compute, hides, warn)

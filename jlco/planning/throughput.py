@@ -267,6 +267,8 @@ def plot(out: dict, plot_dir: str) -> list[str]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from jlco.util import atomic
+
     os.makedirs(plot_dir, exist_ok=True)
     setups = dict(out["predictions"], **{"32k_mtp2_accept1.7 (calibration)":
                                          out["calibration_setup_curves"]})
@@ -279,7 +281,8 @@ def plot(out: dict, plot_dir: str) -> list[str]:
         ax.legend()
     paths = [os.path.join(plot_dir, "throughput_vs_batch.png")]
     fig.tight_layout()
-    fig.savefig(paths[0], dpi=100)
+    with atomic.temp_sibling(paths[0]) as tmp:   # never a half-written PNG
+        fig.savefig(tmp, dpi=100, format="png")
     plt.close(fig)
     mc = out["miss_curve_32k_mtp2"]
     fig, ax = plt.subplots(figsize=(6, 4))
@@ -289,7 +292,8 @@ def plot(out: dict, plot_dir: str) -> list[str]:
            title="32K, MTP 2 (s_q 3), ESS overlap profile")
     paths.append(os.path.join(plot_dir, "misses_vs_hot.png"))
     fig.tight_layout()
-    fig.savefig(paths[1], dpi=100)
+    with atomic.temp_sibling(paths[1]) as tmp:
+        fig.savefig(tmp, dpi=100, format="png")
     plt.close(fig)
     return paths
 

@@ -1,0 +1,60 @@
+"""One-line error exits for the entry points and tools: bad input (a flag, a config
+value, a checkpoint file) is reported as `PROG: error: MESSAGE` on stderr with a non-zero
+exit code, never as a traceback. Exceptions not listed by the caller still propagate
+with their traceback, because those are bugs, not bad input.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import sys
+from typing import Iterator, NoReturn
+
+USAGE_EXIT = 2      # bad input: a flag, a file, a config value
+FAILURE_EXIT = 1    # the input was fine but the result is unusable (e.g. non-finite output)
+
+
+def fail(prog: str, message: str, code: int = USAGE_EXIT) -> NoReturn:
+    """Print `prog: error: message` to stderr and exit with `code`."""
+    print(f"{prog}: error: {message}", file=sys.stderr, flush=True)
+    sys.exit(code)
+
+
+def warn(prog: str, message: str) -> None:
+    print(f"{prog}: warning: {message}", file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def errors_exit(prog: str, *types: type[BaseException], code: int = USAGE_EXIT) -> Iterator[None]:
+    """Turn the listed exception types raised in the block into `fail(prog, str(err))`."""
+    try:
+        yield
+    except types as err:
+        fail(prog, describe(err), code)
+
+
+def describe(err: BaseException) -> str:
+    """The exception's message; OS errors without a useful str() get their type and
+    file name, KeyError its bare key."""
+    msg = str(err)
+    if isinstance(err, OSError) and err.filename and str(err.filename) not in msg:
+        msg = f"{msg}: {err.filename!r}"
+    if not msg or isinstance(err, KeyError):
+        msg = f"{type(err).__name__}: {msg or err!r}"
+    return msg
+
+
+def report_json(obj, indent: int | None = 1) -> str:
+    """Strict JSON (no NaN/Infinity tokens, which other parsers reject) for reports whose
+    statistics may be undefined (a rate over zero events): those become null."""
+    def clean(v):
+        if isinstance(v, dict):
+            return {k: clean(x) for k, x in v.items()}
+        if isinstance(v, (list, tuple)):
+            return [clean(x) for x in v]
+        if isinstance(v, float) and not math.isfinite(v):
+            return None
+        return v
+    return json.dumps(clean(obj), indent=indent, allow_nan=False)
