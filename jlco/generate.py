@@ -2,7 +2,9 @@
 
 Prompts (exactly one of): --prompt_ids 1,2,3; --prompt "text" (a checkpoint with
 tokenizer.json); --prompts_file FILE, JSON lines, each a list of token ids or
-{"prompt": "text"}. All prompts are decoded together as one batch.
+{"prompt": "text"}; --random_prompt N, N random token ids (seeded by --seed: a prompt
+longer than the model's index_topk, so the sparse attention selects and, offloaded, rows
+really move host→device). All prompts are decoded together as one batch.
 
 Model: --checkpoint loads a Hugging Face directory or a jlco Orbax directory (from
 `python -m jlco.convert`). The compute dtype is --dtype when given, else the checkpoint's
@@ -64,6 +66,8 @@ def define_flags() -> None:
     flags.DEFINE_string("config", None, "config file for the cache/engine sections (and the model "
                         "when no checkpoint is given); default configs/tiny.py")
     flags.DEFINE_string("prompt_ids", None, "comma-separated prompt token ids, e.g. 1,2,3")
+    flags.DEFINE_integer("random_prompt", None, "a prompt of this many random token ids "
+                         "(seeded by --seed)", lower_bound=1)
     flags.DEFINE_string("prompt", None, "prompt text (needs a checkpoint with tokenizer.json)")
     flags.DEFINE_string("prompts_file", None, "JSON lines, one prompt each: a list of token ids "
                         "or {\"prompt\": \"text\"}; all are decoded as one batch")
@@ -98,6 +102,7 @@ class Prompt:
     label: str
     ids: list[int] | None = None
     text: str | None = None
+    random_len: int | None = None
 
 
 def _is_token_list(v: Any) -> bool:
@@ -136,10 +141,14 @@ def read_prompts_file(path: str) -> list[Prompt]:
 def _prompts_from_flags() -> list[Prompt]:
     """The prompts as given, checked before any model is loaded, so a bad flag or file
     fails in a second."""
-    given = [f"--{n}" for n in ("prompt_ids", "prompt", "prompts_file") if FLAGS[n].value is not None]
+    names = ("prompt_ids", "prompt", "prompts_file", "random_prompt")
+    given = [f"--{n}" for n in names if FLAGS[n].value is not None]
     if len(given) != 1:
         got = f" (got {' and '.join(given)})" if given else ""
-        raise ValueError(f"give exactly one of --prompt_ids, --prompt or --prompts_file{got}")
+        raise ValueError("give exactly one of --prompt_ids, --prompt, --prompts_file or "
+                         f"--random_prompt{got}")
+    if FLAGS.random_prompt is not None:
+        return [Prompt("--random_prompt", random_len=FLAGS.random_prompt)]
     if FLAGS.prompts_file is not None:
         return read_prompts_file(FLAGS.prompts_file)
     if FLAGS.prompt is not None:
@@ -163,7 +172,10 @@ def _tokenize(prompts: list[Prompt], tokenizer_path, vocab: int) -> list[list[in
     out = []
     for p in prompts:
         ids = p.ids
-        if ids is None:
+        if p.random_len is not None:
+            import numpy as np
+            ids = np.random.default_rng(FLAGS.seed).integers(0, vocab, p.random_len).tolist()
+        elif ids is None:
             if tokenizer_path is None:
                 raise ValueError(f"{p.label}: text prompts need a checkpoint with "
                                  "tokenizer.json; give token ids instead")
@@ -402,17 +414,23 @@ def main(argv):
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     logging.set_verbosity(logging.WARNING)
     compile_cache.enable()
-    with cli.errors_exit(PROG, ValueError, OSError, NotImplementedError):
-        cfg, model, prompts = _prepare()
-        from jlco.engine.core import Engine
-        engine = Engine(cfg, model)
-        reqs, timing = _decode(engine, prompts)
-    results = [{"tokens": list(r.tokens), "logprobs": [float(x) for x in r.logprobs]}
-               for r in reqs]
-    with cli.errors_exit(PROG, NonFiniteOutput, code=cli.FAILURE_EXIT):
-        text = render(results, timing, FLAGS.json, FLAGS.prompts_file is not None)
-    print(text)
-    _report(engine, timing)
+    engine = None
+    with cli.interruptible(PROG):
+        try:
+            with cli.errors_exit(PROG, ValueError, OSError, NotImplementedError):
+                cfg, model, prompts = _prepare()
+                from jlco.engine.core import Engine
+                engine = Engine(cfg, model)
+                reqs, timing = _decode(engine, prompts)
+            results = [{"tokens": list(r.tokens), "logprobs": [float(x) for x in r.logprobs]}
+                       for r in reqs]
+            with cli.errors_exit(PROG, NonFiniteOutput, code=cli.FAILURE_EXIT):
+                text = render(results, timing, FLAGS.json, FLAGS.prompts_file is not None)
+            print(text)
+            _report(engine, timing)
+        finally:
+            if engine is not None:
+                engine.close()   # the host pool (a "file" pool deletes its file)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,13 @@
 """Benchmark host→device scattered latent-row fetches for each miss-fetch path, and
 in-place device→host row writes, on whatever device JAX sees.
 
-  python tools/bench_fetch.py --rows=64,512,2048 --pool_rows=480000 --json_out=/tmp/f.json
+  python tools/bench_fetch.py --rows=64,512,2048 --pool_rows=480000
+
+Results: a table on stdout and bench_fetch.json in --out (a directory, default out/ in
+the repository); --json prints the JSON on stdout instead (table on stderr). Each fetch
+row has two ratios: `frac_link` = its GB/s over the host link's (accelerators: the
+`jlco.planning.hardware` profile of the device kind; CPU: --mem_gbps, the RAM bandwidth)
+and `vs_first_path` = the first --paths entry's time over this path's (> 1 = faster).
 
 On CPU "host" and "device" are the same RAM: the figures measure the mechanics
 (dispatch, gather, scatter, padding), not a PCIe link; the output says so.
@@ -9,19 +15,29 @@ On CPU "host" and "device" are the same RAM: the figures measure the mechanics
 
 from __future__ import annotations
 
-import json
+import pathlib
+import sys
 import time
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-from absl import app, flags
+REPO = pathlib.Path(__file__).resolve().parents[1]
+try:
+    import jlco  # noqa: F401
+except ImportError:   # run from a checkout that is not pip-installed
+    sys.path.insert(0, str(REPO))
 
-from jlco.offload.fetch import MissFetcher
-from jlco.offload.host_pool import HostLatentPool
-from jlco.offload.hot_buffer import init_hot_buffer, resolve
-from jlco.offload.pages import PageAllocator
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from absl import app, flags, logging  # noqa: E402
 
+from jlco.offload.fetch import MissFetcher  # noqa: E402
+from jlco.offload.host_pool import HostLatentPool  # noqa: E402
+from jlco.offload.hot_buffer import init_hot_buffer, resolve  # noqa: E402
+from jlco.offload.pages import PageAllocator  # noqa: E402
+from jlco.planning import roofline  # noqa: E402
+from jlco.util import atomic, cli  # noqa: E402
+
+PROG = "bench_fetch"
 FLAGS = flags.FLAGS
 
 
@@ -38,7 +54,11 @@ def define_flags() -> None:
                       "fetch paths as path:chunk_rows (chunk 0 = one padded gather)")
     flags.DEFINE_integer("iters", 10, "timed repetitions (median reported)")
     flags.DEFINE_integer("seed", 0, "row-id sampling seed")
-    flags.DEFINE_string("json_out", "", "write results here as JSON")
+    flags.DEFINE_string("out", None, "output directory for bench_fetch.json (default: out/ "
+                        "in the repository)")
+    flags.DEFINE_bool("json", False, "print the JSON on stdout (the table goes to stderr)")
+    flags.DEFINE_float("mem_gbps", roofline.CPU_MEM_GBPS, "CPU memory bandwidth, GB/s (the "
+                       "'link' on cpu)")
 
 
 def _median_s(fn, iters):
@@ -88,8 +108,57 @@ def bench_write(pool, n, iters, rng):
             "real_GBps": n * pool.row_bytes / t / 1e9}
 
 
+def _link_gbps(dev) -> tuple[float | None, str]:
+    """The host link's GB/s per direction the fetch rates are compared to."""
+    if dev.platform == "cpu":
+        return FLAGS.mem_gbps, "--mem_gbps (CPU: host and device are the same RAM)"
+    key = roofline.profile_for_device_kind(dev.device_kind)
+    if key is None:
+        return None, f"unknown device kind {dev.device_kind!r}"
+    return roofline.hardware_machine(key).host_bw / 1e9, f"jlco.planning.hardware {key!r}"
+
+
+def _check_flags() -> pathlib.Path:
+    for name in ("row_bytes", "pool_rows", "page_size", "iters"):
+        if getattr(FLAGS, name) < 1:
+            raise ValueError(f"--{name}={getattr(FLAGS, name)}: allowed an integer >= 1")
+    try:
+        rows = [int(n) for n in FLAGS.rows]
+    except ValueError:
+        rows = [0]
+    if not rows or min(rows) < 1 or max(rows) > FLAGS.pool_rows:
+        raise ValueError(f"--rows={','.join(FLAGS.rows)}: allowed integers in 1..--pool_rows "
+                         f"({FLAGS.pool_rows})")
+    for spec in FLAGS.paths:
+        path, sep, chunk = spec.partition(":")
+        if path not in ("in_jit", "host_driven") or not sep or not chunk.isdigit():
+            raise ValueError(f"--paths: {spec!r} is invalid: allowed in_jit:N or "
+                             "host_driven:N (N = chunk rows, 0 = one padded gather)")
+    if not FLAGS.mem_gbps > 0:
+        raise ValueError(f"--mem_gbps={FLAGS.mem_gbps}: allowed a positive number")
+    out = pathlib.Path(FLAGS.out).expanduser() if FLAGS.out else REPO / "out"
+    if out.suffix == ".json":
+        raise ValueError(f"--out={FLAGS.out}: takes a directory (the JSON is written to "
+                         "DIR/bench_fetch.json)")
+    atomic.check_writable(out / "bench_fetch.json", "--out")
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def parse_flags(argv):
+    """absl's flag parsing with a one-line error instead of usage text."""
+    try:
+        return FLAGS(argv)
+    except flags.Error as err:
+        cli.fail(PROG, str(err))
+
+
 def main(argv):
-    del argv
+    if len(argv) > 1:
+        cli.fail(PROG, f"unexpected arguments: {argv[1:]}")
+    logging.set_verbosity(logging.WARNING)
+    with cli.errors_exit(PROG, ValueError, OSError):
+        out = _check_flags()
     dev = jax.devices()[0]
     rng = np.random.default_rng(FLAGS.seed)
     num_pages = -(-FLAGS.pool_rows // FLAGS.page_size)
@@ -105,22 +174,39 @@ def main(argv):
             for spec in FLAGS.paths:
                 path, chunk = spec.split(":")
                 results.append(bench_fetch(pool, page_table, n, path, int(chunk), FLAGS.iters, rng))
+    link, link_source = _link_gbps(dev)
+    first = FLAGS.paths[0]
+    for r in results:
+        r["frac_link"] = r["real_GBps"] / link if link else None
+        ref = next((x for x in results if x["kind"] == r["kind"] == "fetch"
+                    and x["rows"] == r["rows"] and x["path"] == first), None)
+        r["vs_first_path"] = ref["median_s"] / r["median_s"] if ref else None
     note = ("CPU backend: host and device share RAM; these figures measure the mechanics "
             "only, not a host-device link" if dev.platform == "cpu" else "")
-    report = {"device": str(dev), "platform": dev.platform, "jax": jax.__version__,
+    report = {"device": str(dev), "device_kind": dev.device_kind, "platform": dev.platform,
+              "jax": jax.__version__,
               "pool_bytes": num_pages * FLAGS.page_size * FLAGS.row_bytes,
               "row_bytes": FLAGS.row_bytes, "storage": FLAGS.storage, "note": note,
-              "results": results}
-    print(f"{'kind':6} {'path':16} {'rows':>6} {'moved':>6} {'median ms':>10} {'GB/s':>8}")
+              "link_gbps": link, "link_source": link_source, "results": results}
+    lines = [f"{'kind':6} {'path':16} {'rows':>6} {'moved':>6} {'median ms':>10} {'GB/s':>8} "
+             f"{'%link':>7} {'vs ' + first:>16}"]
     for r in results:
-        print(f"{r['kind']:6} {r['path']:16} {r['rows']:6d} {r['moved_rows']:6d} "
-              f"{r['median_s'] * 1e3:10.3f} {r['real_GBps']:8.3f}")
-    print(f"device {dev} (jax {jax.__version__}); pool {report['pool_bytes'] / 1e6:.0f} MB. {note}")
-    if FLAGS.json_out:
-        with open(FLAGS.json_out, "w") as f:
-            json.dump(report, f, indent=1)
+        frac = "    n/a" if r["frac_link"] is None else f"{100 * r['frac_link']:6.2f}%"
+        vs = "n/a" if r["vs_first_path"] is None else f"{r['vs_first_path']:.2f}x"
+        lines.append(f"{r['kind']:6} {r['path']:16} {r['rows']:6d} {r['moved_rows']:6d} "
+                     f"{r['median_s'] * 1e3:10.3f} {r['real_GBps']:8.3f} {frac} {vs:>16}")
+    path = out / "bench_fetch.json"
+    lines.append(f"device {dev} (jax {jax.__version__}); pool {report['pool_bytes'] / 1e6:.0f} "
+                 f"MB; link {link} GB/s ({link_source}). {note}\nJSON {path}")
+    text = cli.report_json(report)
+    atomic.write_text(path, text + "\n")
+    if FLAGS.json:
+        print("\n".join(lines), file=sys.stderr)
+        print(text)
+    else:
+        print("\n".join(lines))
 
 
 if __name__ == "__main__":
     define_flags()
-    app.run(main)
+    app.run(main, flags_parser=parse_flags)

@@ -2,21 +2,38 @@
 host_driven) on the same workload, steps interleaved so machine noise hits both alike.
 Also checks that both paths produced the same tokens and the same hits.
 
-  python tools/bench_fetch_path.py --config=configs/tiny.py --batch=2 --out=/tmp/fetch.json
+  python tools/bench_fetch_path.py --config=configs/tiny.py --batch=2
+
+Results: a table on stdout and bench_fetch_path.json in --out (a directory, default out/
+in the repository); --json prints the JSON on stdout instead (table on stderr). Each
+path's step time comes with two ratios: `roofline_fraction` (the step's roofline time,
+`jlco.planning.roofline`, over the measured median: CPU limits from --mem_gbps /
+--peak_gflops, accelerators from their hardware profile) and host_driven over in_jit.
 """
 
 from __future__ import annotations
 
-import json
+import pathlib
+import sys
 
-import numpy as np
-from absl import app, flags
-from flax import nnx
+REPO = pathlib.Path(__file__).resolve().parents[1]
+try:
+    import jlco  # noqa: F401
+except ImportError:   # run from a checkout that is not pip-installed
+    sys.path.insert(0, str(REPO))
 
-from jlco.config import load_config
-from jlco.engine.core import Engine
-from jlco.model.decoder import DeepseekV32
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+from absl import app, flags, logging  # noqa: E402
+from flax import nnx  # noqa: E402
 
+from jlco.config import load_config  # noqa: E402
+from jlco.engine.core import Engine  # noqa: E402
+from jlco.model.decoder import DeepseekV32  # noqa: E402
+from jlco.planning import roofline  # noqa: E402
+from jlco.util import atomic, cli, compile_cache  # noqa: E402
+
+PROG = "bench_fetch_path"
 FLAGS = flags.FLAGS
 
 
@@ -28,28 +45,84 @@ def define_flags() -> None:
     flags.DEFINE_integer("steps", 40, "timed decode steps (median reported)")
     flags.DEFINE_integer("warmup", 12, "untimed steps first (compiles, hot-buffer fill)")
     flags.DEFINE_enum("impl", "xla", ["xla", "auto", "pallas", "interpret"],
-                      "attention/indexer impl")
-    flags.DEFINE_string("out", "", "JSON output path ('' = none)")
+                      "attention/indexer impl (pallas needs a GPU/TPU)")
+    flags.DEFINE_string("out", None, "output directory for bench_fetch_path.json (default: "
+                        "out/ in the repository)")
+    flags.DEFINE_bool("json", False, "print the JSON on stdout (the table goes to stderr)")
+    flags.DEFINE_float("mem_gbps", roofline.CPU_MEM_GBPS, "CPU memory bandwidth, GB/s "
+                       "(roofline on cpu)")
+    flags.DEFINE_float("peak_gflops", roofline.CPU_PEAK_GFLOPS, "CPU peak GFLOP/s "
+                       "(roofline on cpu)")
 
 
 PATHS = ("in_jit", "host_driven")
 
 
-def main(_):
+def _machine() -> roofline.Machine:
+    dev = jax.devices()[0]
+    key = None if dev.platform == "cpu" else roofline.profile_for_device_kind(dev.device_kind)
+    if key is None:
+        return roofline.cpu_machine(FLAGS.mem_gbps, FLAGS.peak_gflops)
+    return roofline.hardware_machine(key)
+
+
+def _resolve_config(path: str) -> pathlib.Path:
+    p = pathlib.Path(path).expanduser()
+    if p.is_absolute() or p.is_file():
+        return p
+    alt = REPO / p
+    return alt if alt.is_file() else p
+
+
+def _check_flags():
+    for name, low in (("batch", 1), ("prompt", 1), ("steps", 1), ("warmup", 0)):
+        if getattr(FLAGS, name) < low:
+            raise ValueError(f"--{name}={getattr(FLAGS, name)}: allowed an integer >= {low}")
+    if FLAGS.impl == "pallas" and jax.default_backend() == "cpu":
+        raise ValueError("--impl=pallas needs a GPU or TPU (this backend is cpu): use "
+                         "--impl=interpret (Pallas interpret mode, slow) or --impl=xla")
+    if not FLAGS.mem_gbps > 0 or not FLAGS.peak_gflops > 0:
+        raise ValueError("--mem_gbps and --peak_gflops: allowed positive numbers")
+    out = pathlib.Path(FLAGS.out).expanduser() if FLAGS.out else REPO / "out"
+    if out.suffix == ".json":
+        raise ValueError(f"--out={FLAGS.out}: takes a directory (the JSON is written to "
+                         "DIR/bench_fetch_path.json)")
+    atomic.check_writable(out / "bench_fetch_path.json", "--out")
+    out.mkdir(parents=True, exist_ok=True)
     b = FLAGS.batch
     new = FLAGS.warmup + FLAGS.steps + 2
     longest = FLAGS.prompt + 10 * (b - 1) + new
-    cfg = load_config(FLAGS.config).replace(
+    cfg = load_config(_resolve_config(FLAGS.config)).replace(
         engine__attention_impl=FLAGS.impl, engine__max_batch_size=b,
         engine__max_context_len=longest, cache__offload=True)
+    return cfg, out
+
+
+def parse_flags(argv):
+    """absl's flag parsing with a one-line error instead of usage text."""
+    try:
+        return FLAGS(argv)
+    except flags.Error as err:
+        cli.fail(PROG, str(err))
+
+
+def main(argv):
+    if len(argv) > 1:
+        cli.fail(PROG, f"unexpected arguments: {argv[1:]}")
+    logging.set_verbosity(logging.WARNING)
+    compile_cache.enable()
+    with cli.errors_exit(PROG, ValueError, OSError):
+        cfg, out = _check_flags()
+    b = FLAGS.batch
+    new = FLAGS.warmup + FLAGS.steps + 2
     model = DeepseekV32(cfg.model, rngs=nnx.Rngs(0))
     rng = np.random.default_rng(1)
     prompts = [list(map(int, rng.integers(0, cfg.model.vocab_size, FLAGS.prompt + 10 * i)))
                for i in range(b)]
     engines = {p: Engine(cfg.replace(cache__fetch_path=p), model) for p in PATHS}
-    for eng in engines.values():
-        for p in prompts:
-            eng.submit(p, new)
+    reqs = {}
+    for path, eng in engines.items():
+        reqs[path] = [eng.submit(p, new) for p in prompts]
         for _ in range(FLAGS.warmup):
             eng.step()
         eng.metrics.reset()
@@ -60,25 +133,45 @@ def main(_):
             w0 = eng.metrics.snapshot()["total"]["fetch_wait_s"]
             eng.step()
             waits[p].append(eng.metrics.snapshot()["total"]["fetch_wait_s"] - w0)
-    tokens = {p: [r.tokens for r in e.requests.values()] for p, e in engines.items()}
+    tokens = {p: [list(r.tokens) for r in rs] for p, rs in reqs.items()}
     if tokens["in_jit"] != tokens["host_driven"]:
-        raise SystemExit("the two fetch paths produced different tokens")
-    result = {"config": cfg.name, "batch": b, "steps": FLAGS.steps}
+        cli.fail(PROG, "the two fetch paths produced different tokens", cli.FAILURE_EXIT)
+    machine = _machine()
+    # Positions cached per request at the middle timed step.
+    mid = [FLAGS.prompt + 10 * i + FLAGS.warmup + FLAGS.steps // 2 for i in range(b)]
+    roof = roofline.decode_step(cfg, b, mid)
+    roof_s = roof.time_s(machine)
+    result = {"config": cfg.name, "batch": b, "steps": FLAGS.steps,
+              "device_kind": jax.devices()[0].device_kind, "jax": jax.__version__,
+              "roofline_machine": machine.as_dict(), "roofline": roof.as_dict(machine)}
+    lines = []
     for p, eng in engines.items():
         t = eng.metrics.snapshot()["total"]
-        result[p] = {"median_step_ms": 1e3 * float(np.median(eng.step_seconds)),
+        med = float(np.median(eng.step_seconds))
+        result[p] = {"median_step_ms": 1e3 * med,
                      "median_fetch_wait_ms": 1e3 * float(np.median(waits[p])),
+                     "roofline_ms": 1e3 * roof_s, "roofline_fraction": roof_s / med,
                      "hits": t["hits"], "misses": t["misses"], "hit_rate": t["hit_rate"]}
-        print(f"{p:12s} batch {b}: step {result[p]['median_step_ms']:7.2f} ms (median)  "
-              f"fetch wait {result[p]['median_fetch_wait_ms']:6.2f} ms  "
-              f"hits {t['hits']} misses {t['misses']}")
+        lines.append(f"{p:12s} batch {b}: step {result[p]['median_step_ms']:7.2f} ms (median)"
+                     f"  roofline {1e3 * roof_s:6.3f} ms ({roof_s / med:.3f} of it)  "
+                     f"fetch wait {result[p]['median_fetch_wait_ms']:6.2f} ms  "
+                     f"hits {t['hits']} misses {t['misses']}")
+    result["host_driven_over_in_jit"] = (result["host_driven"]["median_step_ms"]
+                                         / result["in_jit"]["median_step_ms"])
+    lines.append(f"host_driven / in_jit step time: {result['host_driven_over_in_jit']:.2f}")
     if result["in_jit"]["hits"] != result["host_driven"]["hits"]:
-        raise SystemExit("the two fetch paths disagree on hits")
-    if FLAGS.out:
-        with open(FLAGS.out, "w") as f:
-            json.dump(result, f, indent=1)
+        cli.fail(PROG, "the two fetch paths disagree on hits", cli.FAILURE_EXIT)
+    path = out / "bench_fetch_path.json"
+    lines.append(f"roofline: {machine.name}; JSON {path}")
+    text = cli.report_json(result)
+    atomic.write_text(path, text + "\n")
+    if FLAGS.json:
+        print("\n".join(lines), file=sys.stderr)
+        print(text)
+    else:
+        print("\n".join(lines))
 
 
 if __name__ == "__main__":
     define_flags()
-    app.run(main)
+    app.run(main, flags_parser=parse_flags)

@@ -6,8 +6,15 @@ median of --iters runs; the table shows achieved TFLOP/s and GB/s and, where the
 in PEAKS, the fraction of its dense bf16 peak and HBM bandwidth. Anchor: FlashMLA reports
 ~410 TFLOP/s sparse decode on H800 (docs/facts.md section 2); the goal for our kernel is half.
 
-  python tools/bench_kernels.py --small                 # CPU smoke run, < 1 minute
-  python tools/bench_kernels.py --out=/tmp/bench.json   # real shapes on a GPU/TPU
+  python tools/bench_kernels.py --small          # CPU smoke run, < 1 minute
+  python tools/bench_kernels.py                  # real shapes on a GPU/TPU
+
+Results: a table on stdout and bench_kernels.json in --out (a directory, default out/ in
+the repository); --json prints the JSON on stdout instead of the table (table on stderr).
+Each row has two ratios: against the machine (fraction of dense bf16 peak and of memory
+bandwidth: PEAKS by device kind on accelerators, --peak_gflops / --mem_gbps on CPU) and
+against the plain-XLA reference a user would otherwise run (`vs_xla` = XLA time / this
+impl's time, > 1 = faster).
 
 FLOP/byte conventions (FlashMLA's): sparse MLA = 2 * b*s_q*h*topk*(d_qk + d_nope) FLOPs and
 every selected row is read once per query token; indexer = 2 * b*s_q*H*D*L FLOPs and every
@@ -17,18 +24,29 @@ key (plus its fp8 scale) is read once per step, plus the [b, s_q, L] f32 scores 
 from __future__ import annotations
 
 import json
+import pathlib
 import statistics
 import sys
 import time
 
-import jax
-import jax.numpy as jnp
-from absl import app, flags
-from tqdm import tqdm
+REPO = pathlib.Path(__file__).resolve().parents[1]
+try:
+    import jlco  # noqa: F401
+except ImportError:   # run from a checkout that is not pip-installed
+    sys.path.insert(0, str(REPO))
 
-from jlco.pallas import dispatch
-from jlco.pallas import indexer as ix
-from jlco.pallas.fp8_rows import fp8_row_bytes, quantize_kv_rows
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from absl import app, flags, logging  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+from jlco.pallas import dispatch  # noqa: E402
+from jlco.pallas import indexer as ix  # noqa: E402
+from jlco.pallas.fp8_rows import fp8_row_bytes, quantize_kv_rows  # noqa: E402
+from jlco.planning import roofline  # noqa: E402
+from jlco.util import atomic, cli  # noqa: E402
+
+PROG = "bench_kernels"
 
 FLAGS = flags.FLAGS
 
@@ -55,7 +73,13 @@ def define_flags() -> None:
     flags.DEFINE_integer("warmup", 2, "untimed runs after compilation")
     flags.DEFINE_integer("iters", 10, "timed runs (median reported)")
     flags.DEFINE_integer("seed", 0, "input seed")
-    flags.DEFINE_string("out", None, "write results as JSON here")
+    flags.DEFINE_string("out", None, "output directory for bench_kernels.json (default: "
+                        "out/ in the repository)")
+    flags.DEFINE_bool("json", False, "print the JSON on stdout (the table goes to stderr)")
+    flags.DEFINE_float("mem_gbps", roofline.CPU_MEM_GBPS, "CPU memory bandwidth, GB/s "
+                       "(fractions of peak on cpu)")
+    flags.DEFINE_float("peak_gflops", roofline.CPU_PEAK_GFLOPS, "CPU peak GFLOP/s "
+                       "(fractions of peak on cpu)")
 
 
 SMALL = dict(batch=2, s_q=2, heads=16, d_nope=128, topk=64, context=256, index_heads=8,
@@ -154,45 +178,113 @@ def _row(kernel, impl, sec, compile_s, flops, nbytes, peak):
                 frac_peak_bw=gbs / peak[1] if peak else None)
 
 
+def _vs_xla(rows):
+    """Each row's speed against the plain-XLA reference of the same kernel."""
+    ref = {r["kernel"]: r["median_ms"] for r in rows if r["impl"] == "xla"}
+    for r in rows:
+        r["vs_xla"] = ref[r["kernel"]] / r["median_ms"] if r["kernel"] in ref else None
+
+
 def _table(rows):
     def pct(x):
         return "   n/a" if x is None else f"{100 * x:5.1f}%"
-    lines = [f"{'kernel':<11}{'impl':<6}{'ms':>10}{'TFLOP/s':>10}{'GB/s':>10}"
-             f"{'%peakF':>8}{'%peakBW':>8}{'compile s':>10}"]
+    lines = [f"{'kernel':<11}{'impl':<10}{'ms':>10}{'TFLOP/s':>10}{'GB/s':>10}"
+             f"{'%peakF':>8}{'%peakBW':>8}{'vs xla':>8}{'compile s':>10}"]
     for r in rows:
-        lines.append(f"{r['kernel']:<11}{r['impl']:<6}{r['median_ms']:>10.3f}"
+        vs = "     n/a" if r["vs_xla"] is None else f"{r['vs_xla']:7.2f}x"
+        lines.append(f"{r['kernel']:<11}{r['impl']:<10}{r['median_ms']:>10.3f}"
                      f"{r['tflops']:>10.3f}{r['gbs']:>10.1f}{pct(r['frac_peak_flops']):>8}"
-                     f"{pct(r['frac_peak_bw']):>8}{r['compile_s']:>10.1f}")
+                     f"{pct(r['frac_peak_bw']):>8}{vs}{r['compile_s']:>10.1f}")
     return "\n".join(lines)
 
 
-def main(argv):
-    del argv
-    cfg = _cfg()
-    dev = jax.devices()[0]
-    peak = PEAKS.get(dev.device_kind) if dev.platform != "cpu" else None
-    builders = {"sparse_mla": _mla_case, "indexer": _indexer_case}
+def _peak(dev):
+    """(TFLOP/s, GB/s) the fractions divide by, and where they come from."""
+    if dev.platform == "cpu":
+        return (FLAGS.peak_gflops / 1e3, FLAGS.mem_gbps), "--peak_gflops / --mem_gbps"
+    if dev.device_kind in PEAKS:
+        return PEAKS[dev.device_kind], "PEAKS (vendor data sheet)"
+    key = roofline.profile_for_device_kind(dev.device_kind)
+    if key is not None:
+        m = roofline.hardware_machine(key)
+        return (m.peak_flops / 1e12, m.mem_bw / 1e9), f"jlco.planning.hardware {key!r}"
+    return None, f"unknown device kind {dev.device_kind!r}"
+
+
+def _out_dir() -> pathlib.Path:
+    out = pathlib.Path(FLAGS.out).expanduser() if FLAGS.out else REPO / "out"
+    if out.suffix == ".json":
+        raise ValueError(f"--out={FLAGS.out}: takes a directory (the JSON is written to "
+                         "DIR/bench_kernels.json)")
+    atomic.check_writable(out / "bench_kernels.json", "--out")
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def _check_flags(builders):
     bad = [k for k in FLAGS.kernels if k not in builders]
     if bad:
-        raise app.UsageError(f"--kernels: unknown {bad}; allowed {sorted(builders)}")
+        raise ValueError(f"--kernels: unknown {bad}; allowed {sorted(builders)}")
+    bad = [i for i in FLAGS.impls if i not in dispatch.IMPLS]
+    if bad:
+        raise ValueError(f"--impls: unknown {bad}; allowed {list(dispatch.IMPLS)}")
+    if "pallas" in FLAGS.impls and jax.default_backend() == "cpu":
+        raise ValueError("--impls=pallas needs a GPU or TPU (this backend is cpu): use "
+                         "interpret (Pallas interpret mode, slow) or xla")
+    for name in ("batch", "s_q", "heads", "d_nope", "d_rope", "topk", "context",
+                 "index_heads", "index_dim", "index_context", "iters"):
+        if getattr(FLAGS, name) < 1:
+            raise ValueError(f"--{name}={getattr(FLAGS, name)}: allowed an integer >= 1")
+    if FLAGS.warmup < 0:
+        raise ValueError(f"--warmup={FLAGS.warmup}: allowed an integer >= 0")
+    if not FLAGS.mem_gbps > 0 or not FLAGS.peak_gflops > 0:
+        raise ValueError("--mem_gbps and --peak_gflops: allowed positive numbers")
+    return _out_dir()
+
+
+def parse_flags(argv):
+    """absl's flag parsing with a one-line error instead of usage text."""
+    try:
+        return FLAGS(argv)
+    except flags.Error as err:
+        cli.fail(PROG, str(err))
+
+
+def main(argv):
+    if len(argv) > 1:
+        cli.fail(PROG, f"unexpected arguments: {argv[1:]}")
+    logging.set_verbosity(logging.WARNING)
+    builders = {"sparse_mla": _mla_case, "indexer": _indexer_case}
+    with cli.errors_exit(PROG, ValueError, OSError):
+        out = _check_flags(builders)
+    cfg = _cfg()
+    dev = jax.devices()[0]
+    peak, peak_source = _peak(dev)
     key = jax.random.PRNGKey(cfg["seed"])
     jobs = [(k, i) for k in FLAGS.kernels for i in FLAGS.impls]
     rows, cases = [], {}
-    for kernel, impl in tqdm(jobs, desc="bench", file=sys.stderr):
+    for kernel, impl in tqdm(jobs, desc="bench", file=sys.stderr,
+                             disable=not sys.stderr.isatty()):
         if kernel not in cases:
             cases[kernel] = builders[kernel](cfg, key)
         fns, args, flops, nbytes = cases[kernel]
         sec, compile_s = _time(fns[impl], args, cfg["warmup"], cfg["iters"])
         rows.append(_row(kernel, impl, sec, compile_s, flops, nbytes, peak))
-    print(f"device: {dev.device_kind} ({dev.platform}); peak bf16 TFLOP/s, GB/s: {peak}")
-    print(f"shapes: {json.dumps(cfg)}")
-    print(_table(rows))
-    if FLAGS.out:
-        with open(FLAGS.out, "w") as f:
-            json.dump(dict(device=dev.device_kind, platform=dev.platform, peak=peak,
-                           config=cfg, results=rows), f, indent=2)
+    _vs_xla(rows)
+    report = dict(device=dev.device_kind, platform=dev.platform, jax=jax.__version__,
+                  peak=peak, peak_source=peak_source, config=cfg, results=rows)
+    path = out / "bench_kernels.json"
+    text = cli.report_json(report)
+    atomic.write_text(path, text + "\n")
+    summary = (f"device: {dev.device_kind} ({dev.platform}); peak TFLOP/s, GB/s: {peak} "
+               f"({peak_source})\nshapes: {json.dumps(cfg)}\n{_table(rows)}\nJSON {path}")
+    if FLAGS.json:
+        print(summary, file=sys.stderr)
+        print(text)
+    else:
+        print(summary)
 
 
 if __name__ == "__main__":
     define_flags()
-    app.run(main)
+    app.run(main, flags_parser=parse_flags)

@@ -130,8 +130,12 @@ def test_generate_corrupt_orbax_checkpoints(orbax, tmp_path):
     f.write_bytes(bytes(data))
     assert_error(_generate("--checkpoint", str(flipped), "--prompt_ids", "1,2"), 2,
                  "sha256", "leaf", "convert again")
+    # Unverified, the flipped bytes are restored as they are: the run decodes (wrong
+    # tokens), or, when the flip made NaN/Inf weights, fails on the non-finite output.
     ok = _generate("--checkpoint", str(flipped), "--prompt_ids", "1,2", "--noverify_checkpoint")
-    assert ok.returncode == 0 and "Traceback" not in ok.stderr, ok.stderr[-2000:]
+    assert ok.returncode in (0, 1) and "Traceback" not in ok.stderr, ok.stderr[-2000:]
+    if ok.returncode == 1:
+        assert "non-finite" in ok.stderr, ok.stderr[-2000:]
     truncated = tmp_path / "truncated"
     shutil.copytree(orbax, truncated)
     f = _largest_state_file(truncated)

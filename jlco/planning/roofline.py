@@ -1,0 +1,192 @@
+"""Roofline of one decode step: the bytes it must touch and the FLOPs it must do, and the
+shortest time a machine could run it in (max of bytes / bandwidth and FLOPs / peak).
+
+What one step over a batch of B requests with s_q query tokens each (1 + MTP drafts;
+N = B·s_q tokens) must touch, for the main model (the MTP layer is not counted):
+
+  weights, each read once per step, in the model dtype (4 B for float32, else 2 B; the
+    router and the indexer's head-weight projection are float32 as jlco stores them):
+    embedding rows of the N tokens, lm_head, every layer's MLA projections, indexer
+    projections and norms; per MoE layer the router, the shared experts and the union of
+    routed experts the tokens pick, bounded by min(E, N·k) experts; per dense layer the
+    FFN;
+  the cache, per layer: every indexer key of each request's context (fp8 keys: D bytes +
+    a 4-byte scale per token; "bf16" keys: 2 B per element, 4 B in a float32 model), the
+    top-k latent rows of every query token (`cfg.row_bytes` each; a query at cached
+    position c + j sees c + j + 1 positions, so it reads min(topk, c + j + 1) rows; rows
+    are counted per query token, as FlashMLA counts them), and the writes of the N new
+    latent rows and indexer keys.
+Activations and logits are not counted (small beside the above at decode shapes).
+
+FLOPs: 2 · (matmul parameters one token uses: attention, indexer projections, router,
+k routed + the shared experts or the dense FFN, lm_head) · N, plus per token per layer
+the indexer scores 2·H·D·(positions it sees) and sparse MLA 2·h·(d_latent + kv_lora)·
+min(topk, positions) (d_latent = kv_lora + rope = 576, kv_lora = 512 for DeepSeek-V3.2).
+
+May import: numpy, `jlco.config`, `jlco.planning.*` (as the rest of the wing).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+from jlco.config import Config
+from jlco.planning.hardware import get_hardware
+from jlco.planning.params import param_counts
+
+# This 2-core CPU box (measured; see tools/bench_decode.py --mem_gbps / --peak_gflops).
+CPU_MEM_GBPS = 14.9
+CPU_PEAK_GFLOPS = 130.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Machine:
+    """The limits a roofline divides by: memory bandwidth (B/s), dense peak (FLOP/s) and,
+    for accelerators, the host link (B/s per direction; None on a CPU)."""
+    name: str
+    mem_bw: float
+    peak_flops: float
+    host_bw: float | None = None
+    source: str = ""
+
+    def as_dict(self) -> dict:
+        return dict(name=self.name, mem_gbps=self.mem_bw / 1e9,
+                    peak_tflops=self.peak_flops / 1e12,
+                    host_link_gbps=None if self.host_bw is None else self.host_bw / 1e9,
+                    source=self.source)
+
+
+def cpu_machine(mem_gbps: float = CPU_MEM_GBPS, peak_gflops: float = CPU_PEAK_GFLOPS) -> Machine:
+    if not mem_gbps > 0 or not peak_gflops > 0:
+        raise ValueError(f"mem_gbps={mem_gbps!r}, peak_gflops={peak_gflops!r}: allowed "
+                         "positive numbers")
+    return Machine("cpu", mem_gbps * 1e9, peak_gflops * 1e9, None,
+                   f"given: {mem_gbps} GB/s memory, {peak_gflops} GFLOP/s peak")
+
+
+def hardware_machine(name: str) -> Machine:
+    """A `jlco.planning.hardware` profile ('h200', ...) as a Machine: HBM bandwidth and
+    the dense bf16 peak (a float32 model is still counted at the bf16 rate: the
+    accelerators here have no faster f32 path, so this is a lower bound on time)."""
+    hw = get_hardware(name)
+    return Machine(hw.name, hw.hbm_bw, hw.flops("bf16"), hw.host_bw,
+                   f"jlco.planning.hardware[{name!r}]: {hw.hbm_gbps.source}")
+
+
+# device_kind substrings -> hardware profile keys (longest first: "H200" contains "H20").
+_KINDS = (("H200", "h200"), ("H100", "h100"), ("H800", "h800"), ("H20", "h20"),
+          ("B200", "b200"), ("TPU v5 lite", "tpu_v5e"), ("TPU v5e", "tpu_v5e"),
+          ("TPU v5p", "tpu_v5p"), ("TPU v5", "tpu_v5p"), ("TPU v6 lite", "tpu_v6e"),
+          ("TPU v6e", "tpu_v6e"))
+
+
+def profile_for_device_kind(kind: str) -> str | None:
+    """The hardware profile key for a jax `device_kind` string, or None if unknown."""
+    for sub, key in _KINDS:
+        if sub.lower() in kind.lower():
+            return key
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class StepRoofline:
+    """Bytes and FLOPs of one decode step, by part (see the module docstring)."""
+    batch: int
+    s_q: int
+    contexts: tuple[int, ...]
+    experts_touched: int          # routed experts read per MoE layer
+    bytes: dict
+    flops: dict
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.bytes.values())
+
+    @property
+    def total_flops(self) -> int:
+        return sum(self.flops.values())
+
+    def memory_s(self, m: Machine) -> float:
+        return self.total_bytes / m.mem_bw
+
+    def compute_s(self, m: Machine) -> float:
+        return self.total_flops / m.peak_flops
+
+    def time_s(self, m: Machine) -> float:
+        """Roofline time: max(bytes / bandwidth, FLOPs / peak)."""
+        return max(self.memory_s(m), self.compute_s(m))
+
+    def as_dict(self, m: Machine | None = None) -> dict:
+        d = dict(batch=self.batch, s_q=self.s_q, contexts=list(self.contexts),
+                 experts_touched=self.experts_touched, bytes=dict(self.bytes),
+                 flops=dict(self.flops), total_bytes=self.total_bytes,
+                 total_flops=self.total_flops)
+        if m is not None:
+            d.update(memory_s=self.memory_s(m), compute_s=self.compute_s(m),
+                     time_s=self.time_s(m),
+                     bound="memory" if self.memory_s(m) >= self.compute_s(m) else "compute")
+        return d
+
+
+def index_key_bytes(cfg: Config) -> int:
+    """Bytes per token per layer of the indexer keys: fp8 = D + 4 (scale); "bf16" keys
+    in the model dtype's width (4 B per element for a float32 model, else 2 B)."""
+    d = cfg.model.index_head_dim
+    if cfg.cache.indexer_key_format == "fp8":
+        return d + 4
+    return (4 if cfg.model.dtype == "float32" else 2) * d
+
+
+def decode_step(cfg: Config, batch: int, contexts: int | Sequence[int],
+                s_q: int = 1) -> StepRoofline:
+    """Roofline bytes and FLOPs of one decode step: `batch` requests, each with
+    `contexts[i]` positions already cached (an int applies to all), `s_q` query tokens
+    per request (1 + draft tokens)."""
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        raise ValueError(f"batch={batch!r}: allowed a positive integer")
+    if isinstance(s_q, bool) or not isinstance(s_q, int) or s_q < 1:
+        raise ValueError(f"s_q={s_q!r}: allowed a positive integer")
+    ctx = (contexts,) * batch if isinstance(contexts, int) else tuple(int(c) for c in contexts)
+    if len(ctx) != batch or any(c < 0 for c in ctx):
+        raise ValueError(f"contexts={contexts!r}: allowed one integer >= 0, or {batch} of them")
+    m = cfg.model
+    w = 4 if m.dtype == "float32" else 2
+    f32 = 4
+    p = param_counts(m)
+    n_tok = batch * s_q
+    layers, n_dense = m.num_hidden_layers, m.first_k_dense_replace
+    n_moe = layers - n_dense
+    h, hh, d = m.hidden_size, m.index_n_heads, m.index_head_dim
+    idx_lin = m.q_lora_rank * hh * d + h * d          # indexer wq_b + wk (model dtype)
+    idx_wp = h * hh                                   # indexer weights_proj (float32)
+    router = m.n_routed_experts * h                   # router matmul (+ bias, float32)
+    touched = min(m.n_routed_experts, n_tok * m.num_experts_per_tok)
+    # Positions query token j of request i sees: c_i + j + 1 (itself included).
+    seen = [c + j + 1 for c in ctx for j in range(s_q)]
+    rows = [min(m.index_topk, s) for s in seen]
+    kb = index_key_bytes(cfg)
+    by = dict(
+        embed=(0 if m.tie_word_embeddings else min(n_tok, m.vocab_size) * h * w),
+        lm_head=m.vocab_size * h * w,
+        attention=layers * p["attention"] * w,
+        indexer=layers * (idx_lin * w + idx_wp * f32),
+        norms=(layers * p["norms"] + p["final_norm"]) * w,
+        router=n_moe * (router + m.n_routed_experts) * f32,
+        routed_experts=n_moe * touched * p["expert"] * w,
+        shared_experts=n_moe * m.n_shared_experts * p["expert"] * w,
+        dense_ffn=n_dense * p["dense_ffn"] * w,
+        index_keys=layers * sum(ctx) * kb,
+        latent_rows=layers * sum(rows) * cfg.row_bytes,
+        cache_writes=layers * n_tok * (cfg.row_bytes + kb),
+    )
+    per_token = (layers * (p["attention"] + idx_lin + idx_wp)
+                 + n_moe * (router + (m.num_experts_per_tok + m.n_shared_experts) * p["expert"])
+                 + n_dense * p["dense_ffn"] + m.vocab_size * h)
+    fl = dict(
+        matmul=2 * per_token * n_tok,
+        indexer_scores=layers * 2 * hh * d * sum(seen),
+        sparse_mla=layers * 2 * m.num_attention_heads * (m.latent_dim + m.kv_lora_rank)
+        * sum(rows),
+    )
+    return StepRoofline(batch, s_q, ctx, touched, by, fl)
