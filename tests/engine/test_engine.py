@@ -98,6 +98,7 @@ def test_engine_hits_equal_independent_replay(model, prompts, tmp_path):
     assert hits.tolist() == eng.metrics.snapshot()["per_layer"]["hits"]
 
 
+@pytest.mark.slow
 def test_warm_up_cuts_first_step_misses(model, prompts):
     cfg = BASE.replace(cache__offload=True, engine__max_batch_size=1)
     misses = {}

@@ -49,6 +49,7 @@ def test_host_driven_equals_on_device_and_in_jit(model, prompts, tmp_path):
         device_cache_bytes(cfg, 2)
 
 
+@pytest.mark.slow
 def test_file_storage_fp8_fifo(model, prompts, tmp_path, monkeypatch):
     """storage "file" (np.memmap; auto picks host_driven), FIFO, fp8 rows, one transfer
     per micro-batch, and the gather split across both prefetch threads."""
@@ -70,6 +71,7 @@ def test_file_storage_fp8_fifo(model, prompts, tmp_path, monkeypatch):
     assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.slow
 def test_multi_token_forward_equal(model, prompts):
     """s_q = 2 through Engine.forward (the verification pass of speculative decoding),
     from unpinned_host memory. The hot buffer holds s_q * topk rows; no drafter is needed

@@ -135,6 +135,7 @@ def test_mtp_drafter_exact(model, prompts, greedy):
     assert 0 < m.drafted and m.accepted <= m.drafted // 4   # random MTP weights
 
 
+@pytest.mark.slow
 def test_mixed_mtp_drafts_exact_offload_on_and_off(model, prompts, greedy):
     off = _mixed_run(model, prompts, greedy, False)
     on = _mixed_run(model, prompts, greedy, True)

@@ -121,6 +121,7 @@ def test_insert_new_then_resolve_hits_and_matches_reference(policy):
         sp, st = r.slot_pos, r.slot_stamp
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", POLICIES)
 def test_insert_new_equals_resolve_then_scatter(policy):
     """insert_new's sort-free path must give resolve's slots, tables and rows exactly.

@@ -87,6 +87,7 @@ def test_positions_past_num_positions_are_invalid():
         resolve(sp, sp, jnp.zeros((1, 1, 4), jnp.int32), 0, num_positions=0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("chunk_rows", [0, 3])
 def test_fetch_into_all_layer_buffer_at_row_offset(chunk_rows):
     """Layer 1 of a [L=3, b=2, C, R] buffer fetched in place through the [L*b, C, R] view
