@@ -570,8 +570,10 @@ def check_flags():
         raise ValueError(f"--hardware={FLAGS.hardware}: allowed auto, cpu, "
                          + ", ".join(HARDWARE))
     out = pathlib.Path(FLAGS.out).expanduser() if FLAGS.out else REPO / "out"
+    if out.suffix == ".json":
+        raise ValueError(f"--out={FLAGS.out}: takes a directory (the JSON and PNG are written "
+                         "into it)")
     atomic.check_writable(out / "bench_decode.json", "--out")
-    out.mkdir(parents=True, exist_ok=True)
     base = apply_overrides(load_config(resolve_config(FLAGS.config)),
                            parse_overrides(FLAGS.set))
     gen = _gen()
@@ -591,7 +593,9 @@ def check_flags():
                     raise ValueError(f"--batch={b} at context {c} needs more than "
                                      f"--ram_fraction={FLAGS.ram_fraction} of the available "
                                      f"RAM (at most {cap} fit{'s' if cap == 1 else ''})")
-    return contexts, sweep, base, pick_machine(), out
+    machine = pick_machine()
+    out.mkdir(parents=True, exist_ok=True)
+    return contexts, sweep, base, machine, out
 
 
 def parse_flags(argv):

@@ -29,7 +29,7 @@ May import: numpy, `jlco.config`, `jlco.planning.*` (as the rest of the wing).
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from collections.abc import Sequence
 
 from jlco.config import Config
 from jlco.planning.hardware import get_hardware

@@ -1,5 +1,8 @@
-"""tools/bench_decode.py end to end on a tiny setting, and synthetic admission."""
+"""tools/bench_decode.py end to end on a tiny setting (default mode, --small
+--sweep_contexts from outside the repository, one-line flag errors), and synthetic
+admission."""
 import json
+import os
 import pathlib
 import subprocess
 import sys
@@ -17,16 +20,20 @@ from jlco.model.decoder import DeepseekV32
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
+def _bench(*args, cwd=ROOT, timeout=170):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, str(ROOT / "tools/bench_decode.py"), *args],
+                          cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
+
+
 def test_bench_decode_runs_and_reports(tmp_path):
-    out = tmp_path / "b.json"
-    cmd = [sys.executable, "tools/bench_decode.py", "--contexts=512", "--steps=2",
-           "--warmup=1", "--layers=1", "--topk=32", "--device_budget_gb=0.006",
-           f"--out={out}"]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=170)
+    proc = _bench("--contexts=512", "--steps=2", "--warmup=1", "--layers=1", "--topk=32",
+                  "--device_budget_gb=0.006", f"--out={tmp_path}")
     assert proc.returncode == 0, proc.stderr[-2000:]
-    rep = json.loads(out.read_text())
-    assert (tmp_path / "b.png").stat().st_size > 0
+    rep = json.loads((tmp_path / "bench_decode.json").read_text())
+    assert (tmp_path / "bench_decode.png").stat().st_size > 0
     assert "offload/baseline step time" in proc.stdout
+    assert rep["mode"] == "contexts" and rep["roofline_machine"]["name"] == "cpu"
     (c,) = rep["contexts"]
     assert c["context"] == 512
     per = c["device_bytes_per_request"]
@@ -39,10 +46,59 @@ def test_bench_decode_runs_and_reports(tmp_path):
     assert (True, c["max_batch"]["offload"]) in runs
     for r in c["runs"]:
         assert len(r["step_s"]) == 2 and r["step_s_median"] > 0 and r["tokens_per_s"] > 0
+        # The roofline beside the measurement: 14.9 GB/s, 130 GFLOP/s by default.
+        roof = r["roofline"]
+        assert r["roofline_bytes"] == roof["total_bytes"] > 0
+        assert roof["contexts"] == [512 + 1] * r["batch"]     # context + 1 warm-up token
+        assert r["roofline_s"] == max(roof["total_bytes"] / 14.9e9, roof["total_flops"] / 130e9)
+        assert r["roofline_fraction"] == r["roofline_s"] / r["step_s_median"]
+        assert 0 < r["roofline_fraction"] < 1
+        assert r["xla_bytes"] > 0 and r["xla_flops"] > 0      # XLA's cost of the jitted step
         if r["offload"]:
             assert 0.0 <= r["hit_rate"] <= 1.0 and r["h2d_bytes_per_token"] >= 0
             assert r["device_bytes_per_request"] < per["baseline"]
     assert c["same_batch_step_ratio"] > 0 and c["tokens_per_s_ratio"] > 0
+
+
+def test_sweep_small_writes_json_and_png_from_outside_the_repository(tmp_path):
+    """--small --sweep_contexts, run from another directory (configs/ found in the
+    repository), --json on stdout, JSON + PNG in --out."""
+    out = tmp_path / "res"
+    proc = _bench("--small", "--sweep_contexts=1024,2048", f"--out={out}", "--json",
+                  cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rep = json.loads(proc.stdout)
+    assert rep == json.loads((out / "bench_decode_sweep.json").read_text())
+    assert (out / "bench_decode_sweep.png").stat().st_size > 0
+    assert "offload/baseline step time" in proc.stderr       # the table, on stderr
+    assert rep["mode"] == "sweep" and rep["topk"] == 64
+    assert [c["context"] for c in rep["sweep"]] == [1024, 2048]
+    for c in rep["sweep"]:
+        base, off = c["runs"]
+        assert (base["offload"], off["offload"]) == (False, True)
+        assert base["batch"] == off["batch"] == c["batch"] == 2
+        assert len(base["step_s"]) == 2 and base["roofline"]["contexts"] == [c["context"] + 1] * 2
+        assert c["offload_over_baseline"] == off["step_s_median"] / base["step_s_median"]
+        for r in c["runs"]:
+            assert 0 < r["roofline_fraction"] < 1 and r["xla_bytes"] > 0
+    # More context, more bytes to touch (indexer keys) at the same batch and top-k.
+    assert rep["sweep"][1]["roofline_bytes"] > rep["sweep"][0]["roofline_bytes"]
+    assert not list(tmp_path.glob("out"))                  # nothing written to cwd/out
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--impl=pallas"], "use --impl=interpret (Pallas interpret mode, slow) or --impl=xla"),
+    (["--steps=x"], "--steps"),
+    (["--sweep_contexts=1024,-2"], "--sweep_contexts=1024,-2: allowed positive integers"),
+    (["--set=model__no_such_field=1"], "--set"),
+])
+def test_bad_flags_fail_in_one_line(args, needle):
+    proc = _bench(*args, timeout=60)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("bench_decode: error: "), lines
+    assert needle in lines[0]
 
 
 def test_admit_prefilled_offload_equals_on_device():
