@@ -1,9 +1,9 @@
 """Where a decode step and a prefill spend their time, per op family, from a jax.profiler
 trace of the real engine.
 
-A random-weight model is built at a DeepSeek-V3.2-like shape (default: the shape of the
-performance issue — hidden 512, 4 layers, 8 MLA heads, kv_lora_rank 512, 16 routed
-experts, 16 index heads of 128, top-k 256, float32; `--config` to start from another).
+A random-weight model is built from `--config` (default configs/bench_mid.py: hidden 512,
+4 layers, 8 MLA heads, kv_lora_rank 512, 16 routed experts, 16 index heads of 128,
+top-k 256, float32).
 Decode: `--batch` requests with synthetic contexts (`jlco.engine.synthetic`) of each
 `--contexts` length; prefill: one prompt of `--prefill_len` tokens, timed after a warm-up
 prompt of the same length. Op time is the XLA:CPU thunk time summed per family
@@ -39,20 +39,11 @@ from jlco.engine.core import Engine  # noqa: E402
 from jlco.model.decoder import DeepseekV32  # noqa: E402
 
 FLAGS = flags.FLAGS
-ISSUE_SHAPE = dict(
-    model__hidden_size=512, model__num_hidden_layers=4, model__num_attention_heads=8,
-    model__kv_lora_rank=512, model__qk_rope_head_dim=64, model__qk_nope_head_dim=128,
-    model__v_head_dim=128, model__q_lora_rank=384, model__n_routed_experts=16,
-    model__n_group=4, model__topk_group=2, model__num_experts_per_tok=4,
-    model__moe_intermediate_size=256, model__intermediate_size=1024,
-    model__index_n_heads=16, model__index_head_dim=128, model__index_topk=256,
-    model__max_position_embeddings=65536, model__vocab_size=4096)
 FAMILIES = ("indexer", "sparse_mla", "moe", "/mla/")
 
 
 def define_flags() -> None:
-    flags.DEFINE_string("config", "configs/tiny.py", "config to start from (cache/engine)")
-    flags.DEFINE_bool("issue_shape", True, "override the model with the issue's shape")
+    flags.DEFINE_string("config", "configs/bench_mid.py", "config to start from")
     flags.DEFINE_list("contexts", ["2048", "8192"], "decode contexts (tokens per request)")
     flags.DEFINE_integer("batch", 4, "decode batch", lower_bound=1)
     flags.DEFINE_integer("steps", 6, "timed decode steps per context", lower_bound=1)
@@ -67,8 +58,6 @@ def define_flags() -> None:
 
 def make_config(context: int, batch: int):
     cfg = load_config(ROOT / FLAGS.config if not os.path.exists(FLAGS.config) else FLAGS.config)
-    if FLAGS.issue_shape:
-        cfg = cfg.replace(**ISSUE_SHAPE)
     return cfg.replace(engine__max_batch_size=batch, engine__max_context_len=context + 64,
                        engine__prefill_chunk=FLAGS.prefill_chunk,
                        engine__attention_impl=FLAGS.impl, cache__offload=FLAGS.offload,

@@ -74,6 +74,43 @@ def sparse_mla_xla(q, kv_cache, indices, softmax_scale, *, kv_format, d_rope):
         return out.astype(q.dtype), lse
 
 
+def sparse_mla_dense(q, rows, positions, softmax_scale, *, kv_format, d_rope):
+    """Sparse MLA for a prefill chunk, computed densely: every query scores all t cached
+    rows of its request in one matmul and keeps only its own top-k (a mask), instead of
+    gathering s·k rows. Same function as `sparse_mla` (softmax over the selected rows),
+    another summation order. q [b,s,h,c+r]; rows [b,t,row] (bytes or float, one
+    request's whole layer); positions [b,s,k] (−1 = none) → out [b,s,h,c].
+
+    Why: a chunk's s queries select overlapping rows, and XLA:CPU's gathered batched
+    products move s·k·row bytes (300 MB per 512-token chunk and layer at k 256, f32
+    rows) at a fraction of its matmul speed. For t ≤ DENSE_MAX_T one dense product is
+    faster; for decode (s = 1) and long contexts the gather is (`MLA.__call__` chooses)."""
+    with jax.named_scope("sparse_mla_dense"):
+        b, t, _ = rows.shape
+        kv = decode_rows(kernel_rows(rows.reshape(b * t, -1), kv_format), kv_format, d_rope)
+        kv = kv.reshape(b, t, -1)                                            # [b,t,c+r]
+        d_nope = kv.shape[-1] - d_rope
+        s_q = positions.shape[1]
+        bi = jnp.arange(b)[:, None, None]
+        si = jnp.arange(s_q)[None, :, None]
+        sel = jnp.zeros((b, s_q, t), bool).at[bi, si, jnp.where(positions >= 0, positions, t)
+                                              ].set(True, mode="drop")     # [b,s,t]
+        logits = jnp.einsum("bshd,btd->bsht", q.astype(jnp.float32), kv) * softmax_scale
+        logits = jnp.where(sel[:, :, None, :], logits, -jnp.inf)
+        m = jnp.max(logits, axis=-1, keepdims=True)
+        p = jnp.exp(logits - jnp.where(jnp.isfinite(m), m, 0.0))
+        denom = jnp.sum(p, axis=-1)
+        # Full row width, then slice the output (slicing kv copies it on XLA:CPU).
+        out = jnp.einsum("bsht,btd->bshd", p, kv)[..., :d_nope]
+        empty = denom == 0
+        out = jnp.where(empty[..., None], 0.0, out / jnp.where(empty, 1.0, denom)[..., None])
+        return out.astype(q.dtype)
+
+
+DENSE_MAX_T = 4096    # cached positions up to which a prefill chunk attends densely
+DENSE_MIN_S = 16      # query tokens from which it does (speculative steps have s <= 8)
+
+
 def indexer_scores_xla(q, weights, k, lengths):
     """score[b,s,t] = Σ_h w[b,s,h] · ReLU(q[b,s,h]·k[b,t]); −inf where t is after the query."""
     s_q, t_max = q.shape[1], k.shape[1]

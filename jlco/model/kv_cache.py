@@ -132,8 +132,7 @@ def latent_for_attention(cache: DecodeCache, layer: int, positions: jax.Array
     """Rows and global row ids for sparse MLA: positions [b, s, k] (−1 = none) →
     (cache, rows [n, row_bytes], ids [b, s, k] into rows, −1 kept). On device n = b·t and
     ids = b·t + position; offloaded, n = b·m hot slots and misses are fetched first."""
-    if cache.record is not None and cache.record.shape[2:] == positions.shape[1:]:
-        cache = dataclasses.replace(cache, record=cache.record.at[layer].set(positions))
+    cache = record_topk(cache, layer, positions)
     if isinstance(cache.latent, offload_latent.OffloadLatent):
         lat, rows, ids = offload_latent.latent_for_attention(cache.latent, layer, positions)
         return dataclasses.replace(cache, latent=lat), rows, ids
@@ -141,6 +140,27 @@ def latent_for_attention(cache: DecodeCache, layer: int, positions: jax.Array
     b, t, row = lat.shape
     ids = jnp.arange(b, dtype=jnp.int32)[:, None, None] * t + positions
     return cache, lat.reshape(b * t, row), jnp.where(positions >= 0, ids, -1).astype(jnp.int32)
+
+
+def record_topk(cache: DecodeCache, layer: int, positions: jax.Array) -> DecodeCache:
+    """Keep this step's top-k positions [b, s, k] when the cache records them."""
+    if cache.record is not None and cache.record.shape[2:] == positions.shape[1:]:
+        cache = dataclasses.replace(cache, record=cache.record.at[layer].set(positions))
+    return cache
+
+
+def dense_rows(cache: DecodeCache, layer: int, s_q: int) -> jax.Array | None:
+    """The layer's rows [b, t, row] for `attention.sparse_mla_dense` when a chunk of s_q
+    queries should attend densely (a device cache, s_q >= DENSE_MIN_S, the scanned
+    context t <= DENSE_MAX_T), else None (gather the selected rows)."""
+    from jlco.model.attention import DENSE_MAX_T, DENSE_MIN_S
+    if isinstance(cache.latent, offload_latent.OffloadLatent) or s_q < DENSE_MIN_S:
+        return None
+    t = cache.scan_len or cache.max_len
+    if t > DENSE_MAX_T:
+        return None
+    rows = cache.latent[layer]
+    return rows if t == rows.shape[1] else rows[:, :t]
 
 
 def write_index_key(cache: DecodeCache, layer: int, k: jax.Array,

@@ -104,6 +104,13 @@ class MLA(nnx.Module):
             keys, scale = kv_cache.index_keys(cache, layer)
             topk_pos = self.indexer.topk(iq, iw, keys, scale, kernel_lengths, cache.key_format,
                                          impl)
+            dense = kv_cache.dense_rows(cache, layer, q.shape[1])
+            if dense is not None:   # a prefill chunk over a short context
+                cache = kv_cache.record_topk(cache, layer, topk_pos)
+                out = attention.sparse_mla_dense(q, dense, topk_pos, self.cfg.softmax_scale,
+                                                 kv_format=cache.kv_format,
+                                                 d_rope=self.cfg.qk_rope_head_dim)
+                return self.post(out, x.dtype), cache
             cache, rows, ids = kv_cache.latent_for_attention(cache, layer, topk_pos)
             out = self.attend(q, rows, ids, cache.kv_format, impl)
             return self.post(out, x.dtype), cache
