@@ -35,3 +35,21 @@ def run_workload(cfg, model, prompts, new_tokens=NEW_TOKENS, **engine_kw):
     if eng.scheduler.pages is not None:
         assert eng.scheduler.pages.used_pages == 0
     return eng, [(r.tokens, r.logprobs) for r in reqs]
+
+
+def assert_forward_equal(off, on, prompts):
+    """Admit the same requests into two engines, then three verification passes of 2
+    tokens per slot: logits [batch, s, V] f32, offload on == offload off bit for bit."""
+    import chex
+    for eng in (off, on):
+        for p in prompts:
+            eng.submit(p, 8)
+        eng.admit()
+    active = [r is not None for r in on.scheduler.slots]
+    rng = np.random.default_rng(2)
+    for _ in range(3):
+        toks = rng.integers(0, BASE.model.vocab_size, (2, 2))
+        want, got = off.runner.forward(toks, active), on.runner.forward(toks, active)
+        chex.assert_shape(got, (2, 2, BASE.model.vocab_size))
+        chex.assert_type(got, np.float32)
+        chex.assert_trees_all_equal(got, want)

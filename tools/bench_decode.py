@@ -598,14 +598,6 @@ def check_flags():
     return contexts, sweep, base, machine, out
 
 
-def parse_flags(argv):
-    """absl's flag parsing with a one-line error instead of usage text."""
-    try:
-        return FLAGS(argv)
-    except flags.Error as err:
-        cli.fail(PROG, str(err))
-
-
 def main(argv):
     if len(argv) > 1:
         cli.fail(PROG, f"unexpected arguments: {argv[1:]}")
@@ -656,4 +648,4 @@ def main(argv):
 
 if __name__ == "__main__":
     define_flags()
-    app.run(main, flags_parser=parse_flags)
+    app.run(main, flags_parser=cli.flags_parser(PROG))

@@ -98,14 +98,6 @@ def _check_flags():
     return cfg, out
 
 
-def parse_flags(argv):
-    """absl's flag parsing with a one-line error instead of usage text."""
-    try:
-        return FLAGS(argv)
-    except flags.Error as err:
-        cli.fail(PROG, str(err))
-
-
 def main(argv):
     if len(argv) > 1:
         cli.fail(PROG, f"unexpected arguments: {argv[1:]}")
@@ -174,4 +166,4 @@ def main(argv):
 
 if __name__ == "__main__":
     define_flags()
-    app.run(main, flags_parser=parse_flags)
+    app.run(main, flags_parser=cli.flags_parser(PROG))

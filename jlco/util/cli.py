@@ -66,6 +66,18 @@ def interruptible(prog: str) -> Iterator[None]:
             signal.signal(s, h)
 
 
+def flags_parser(prog: str):
+    """`app.run(main, flags_parser=...)` for a tool: absl's flag parsing with a one-line
+    error instead of the usage text."""
+    def parse(argv):
+        from absl import flags
+        try:
+            return flags.FLAGS(argv)
+        except flags.Error as err:
+            fail(prog, str(err))
+    return parse
+
+
 def describe(err: BaseException) -> str:
     """The exception's message; OS errors without a useful str() get their type and
     file name, KeyError its bare key."""

@@ -4,10 +4,9 @@ sizes, row formats, fetch chunking, s_q > 1, and requests joining and leaving mi
 Also: accounting returns to zero, aborts free everything, and the engine's hit counts
 equal an independent replay of its own top-k trace."""
 
-import chex
 import numpy as np
 import pytest
-from engine_workload import BASE, PROMPT_LENS
+from engine_workload import BASE, assert_forward_equal, PROMPT_LENS
 from engine_workload import run_workload as _run
 
 from jlco.config import ConfigError
@@ -50,18 +49,7 @@ def test_multi_token_steps_equal(model, prompts):
     off = Engine(cfg, model)
     on = Engine(cfg.replace(cache__offload=True), model)
     assert on.cfg.staging_capacity == 2 * TOPK
-    for eng in (off, on):
-        for p in prompts[2:]:
-            eng.submit(p, 8)
-        eng.admit()
-    active = [r is not None for r in on.scheduler.slots]
-    rng = np.random.default_rng(2)
-    for _ in range(3):
-        toks = rng.integers(0, BASE.model.vocab_size, (2, 2))
-        want, got = off.runner.forward(toks, active), on.runner.forward(toks, active)
-        chex.assert_shape(got, (2, 2, BASE.model.vocab_size))   # logits [batch, s, V]
-        chex.assert_type(got, np.float32)
-        chex.assert_trees_all_equal(got, want)   # offload on == off, bit for bit
+    assert_forward_equal(off, on, prompts[2:])
     assert on.metrics is not None
 
 

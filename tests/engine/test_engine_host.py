@@ -6,10 +6,8 @@ resolution sequence). Workload as in test_engine.py."""
 
 import os
 
-import chex
-import numpy as np
 import pytest
-from engine_workload import BASE
+from engine_workload import BASE, assert_forward_equal
 from engine_workload import run_workload as _run
 
 from jlco.engine import host_driven as engine_host
@@ -81,18 +79,7 @@ def test_multi_token_forward_equal(model, prompts):
     on = Engine(cfg.replace(cache__offload=True, cache__fetch_path="host_driven",
                             cache__storage="unpinned_host", cache__eviction="fifo"), model)
     assert on.runner.host.pool.storage == "unpinned_host"
-    for eng in (off, on):
-        for p in prompts[2:]:
-            eng.submit(p, 8)
-        eng.admit()
-    active = [r is not None for r in on.scheduler.slots]
-    rng = np.random.default_rng(2)
-    for _ in range(3):
-        toks = rng.integers(0, BASE.model.vocab_size, (2, 2))
-        want, got = off.runner.forward(toks, active), on.runner.forward(toks, active)
-        chex.assert_shape(got, (2, 2, BASE.model.vocab_size))   # logits [batch, s, V]
-        chex.assert_type(got, np.float32)
-        chex.assert_trees_all_equal(got, want)   # offload on == off, bit for bit
+    assert_forward_equal(off, on, prompts[2:])
 
 
 def test_fetch_path_choice_and_errors(tmp_path):
