@@ -1,13 +1,15 @@
-"""`python -m jlco.sim [--json] [--plot_dir DIR]`: fit the decode-throughput simulator of
-`jlco.planning.throughput` on ESS's calibration rows and print its predictions.
+"""`python -m jlco.sim [--json] [--out DIR]`: fit the decode-throughput simulator of
+`jlco.planning.throughput` on ESS's calibration rows and print its predictions (a table,
+or the JSON with --json); DIR (default out/sim) receives sim.json and the PNG plots.
 
-An unknown --hardware or an unwritable --plot_dir is one `jlco.sim: error: ...` line on
-stderr (exit 2), checked before the fit runs; PNGs are written atomically.
+An unknown --hardware or an unwritable --out is one `jlco.sim: error: ...` line on
+stderr (exit 2), checked before the fit runs; files are written atomically.
 """
 
 from __future__ import annotations
 
 import json
+import os
 
 from absl import app, flags
 
@@ -25,8 +27,10 @@ def main(argv) -> None:
     with cli.errors_exit(PROG, ValueError, OSError):
         _check_flags(f)
         out = run(f.hardware)
-        if f.plot_dir:
-            out["plots"] = plot(out, f.plot_dir)
+        if f.out:
+            out["plots"] = plot(out, f.out)
+            text = json.dumps(out, indent=1, allow_nan=False)
+            atomic.write_text(os.path.join(f.out, "sim.json"), text + "\n")
         text = json.dumps(out, indent=1, allow_nan=False) if f.json else format_table(out)
     print(text)
 
@@ -37,14 +41,15 @@ def _check_flags(f) -> None:
     except ValueError:
         raise ValueError(f"--hardware={f.hardware!r} is invalid: allowed one of "
                          f"{', '.join(HARDWARE)} (case-insensitive)") from None
-    if f.plot_dir:
-        atomic.check_writable(f.plot_dir, "--plot_dir")
+    if f.out:
+        atomic.check_writable(f.out, "--out")
 
 
 def define_flags() -> None:
     flags.DEFINE_string("hardware", "h200", "hardware profile key: " + ", ".join(HARDWARE))
     flags.DEFINE_bool("json", False, "print everything as JSON instead of the table")
-    flags.DEFINE_string("plot_dir", "", "write PNG plots here (beside the JSON)")
+    flags.DEFINE_string("out", "out/sim", "directory for sim.json and the PNG plots "
+                        "('' = none)")
 
 
 if __name__ == "__main__":

@@ -9,8 +9,11 @@ next use is farthest (optimal: an upper bound for any online policy). Hit rates 
 hits / lookups summed over requests, per layer, after `--warmup` steps.
 
   python tools/cache_study.py --synthetic --context 8192 --topk 512 --layers 61 \
-      --steps 48 --capacities 512,1024,2048,4096 --json --plot out/cache.png
+      --steps 48 --capacities 512,1024,2048,4096 --out out/cache_study
   python tools/cache_study.py --trace run.trace --capacities 2048,4096
+
+Prints a table (or the JSON with --json); --out DIR (default out/cache_study, '' = none)
+receives cache_study.json and cache_study.png.
 """
 
 from __future__ import annotations
@@ -48,7 +51,8 @@ def define_flags() -> None:
     flags.DEFINE_list("policies", list(trace.POLICIES), "policies to replay")
     flags.DEFINE_integer("warmup", 0, "steps replayed but not counted", lower_bound=0)
     flags.DEFINE_bool("json", False, "print JSON instead of the table")
-    flags.DEFINE_string("plot", "", "write a PNG of hit rate vs capacity here")
+    flags.DEFINE_string("out", "out/cache_study", "directory for cache_study.json and a "
+                        "PNG of hit rate vs capacity ('' = none)")
 
 
 def study(tr: trace.Trace, capacities: list[int], policies=trace.POLICIES,
@@ -135,8 +139,8 @@ def _check_flags() -> None:
                          f"({FLAGS.queries_per_step})")
     if FLAGS.trace and not pathlib.Path(FLAGS.trace).is_file():
         raise ValueError(f"--trace={FLAGS.trace!r}: no such file")
-    if FLAGS.plot:
-        atomic.check_writable(FLAGS.plot, "--plot")
+    if FLAGS.out:
+        atomic.check_writable(FLAGS.out, "--out")
 
 
 def _load_trace() -> trace.Trace:
@@ -159,8 +163,11 @@ def main(argv) -> None:
         tr = _load_trace()
         caps = caps or _default_caps(tr)
         out = study(tr, caps, FLAGS.policies, FLAGS.warmup)
-        if FLAGS.plot:
-            _plot(out, FLAGS.plot)
+        if FLAGS.out:
+            pathlib.Path(FLAGS.out).mkdir(parents=True, exist_ok=True)
+            _plot(out, pathlib.Path(FLAGS.out) / "cache_study.png")
+            atomic.write_text(pathlib.Path(FLAGS.out) / "cache_study.json",
+                              cli.report_json(out) + "\n")
     print(cli.report_json(out) if FLAGS.json else _table(out))
 
 

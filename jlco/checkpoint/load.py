@@ -233,7 +233,7 @@ def load_hf_checkpoint(path: str | os.PathLike, *, dtype: Any = np.float32,
     tensors: dict[str, np.ndarray] = {}
     names = [n for n in plan if n in expected]
     bar = tqdm.tqdm(names, desc="loading HF tensors", unit="tensor", file=sys.stderr,
-                    disable=not progress)
+                    disable=not (progress and sys.stderr.isatty()))   # no bars in logs
     for name in bar:
         e, scale = plan[name]
         bar.set_postfix_str(e.file.name, refresh=False)
@@ -410,6 +410,9 @@ def abstract_model(cfg: ModelConfig):
     return nnx.split(nnx.eval_shape(lambda: DeepseekV32(cfg, rngs=nnx.Rngs(0))))
 
 
+_FAILED_RESTORES: list = []
+
+
 def _orbax_restore(path: pathlib.Path, target: Any) -> Any:
     """Orbax's restore, with any failure (a truncated or deleted file, a corrupt
     chunk: tensorstore, zarr and OCDBT each raise their own types, often with pages of
@@ -418,9 +421,15 @@ def _orbax_restore(path: pathlib.Path, target: Any) -> Any:
     if not state_dir.is_dir():
         raise CheckpointError(f"Orbax checkpoint {str(path)!r} has no {STATE_DIR}/ directory; "
                               "it is incomplete: convert it again")
+    ckptr = ocp.StandardCheckpointer()
     try:
-        return ocp.StandardCheckpointer().restore(state_dir, target)
+        return ckptr.restore(state_dir, target)
     except Exception as err:  # noqa: BLE001 - see docstring: every failure is a bad file
+        # Reads still in flight on Orbax's background loop print "Event loop is closed"
+        # tracebacks if the checkpointer is collected (its loop closed) under them: keep
+        # it alive; the entry points then exit through `jlco.util.cli.run_main`, which
+        # skips the interpreter shutdown where the same happens.
+        _FAILED_RESTORES.append(ckptr)
         first = (str(err).strip().splitlines() or [""])[0]
         first = first.split(" See full TensorStore details")[0][:300]
         raise CheckpointError(f"Orbax checkpoint {str(path)!r} cannot be restored "

@@ -10,7 +10,7 @@ exposed. Misses per layer come from replaying ESS-shaped synthetic top-k traces 
 `jlco.planning.trace`) at the hot-buffer size memory allows. Throughput per node =
 gpus_per_node · B · accepted / step time.
 
-Four constants are fitted on ESS's five 32K calibration rows (`FIT_NAMES`); everything
+Five constants are fitted on ESS's five 32K calibration rows (`FIT_NAMES`); everything
 else is setup (hardware profile, ESS's PCIe and FlashMLA figures). `python -m jlco.sim`.
 """
 

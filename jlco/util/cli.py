@@ -66,6 +66,23 @@ def interruptible(prog: str) -> Iterator[None]:
             signal.signal(s, h)
 
 
+def run_main(main, **app_kw) -> NoReturn:
+    """`absl.app.run(main)`, then exit at once with its exit code, once every `finally`
+    and close() of the program has run (the engine's host pool is closed explicitly).
+    Skipping interpreter shutdown keeps library background threads (Orbax's asyncio
+    loops after a failed restore) from printing tracebacks after our one-line error."""
+    import os
+    from absl import app
+    code = 0
+    try:
+        app.run(main, **app_kw)
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def flags_parser(prog: str):
     """`app.run(main, flags_parser=...)` for a tool: absl's flag parsing with a one-line
     error instead of the usage text."""

@@ -203,7 +203,7 @@ def test_sim_bad_flags(tmp_path):
     afile = tmp_path / "afile"
     afile.write_text("x")
     assert_error(run("-m", "jlco.sim", "--hardware", "nosuch"), 2, "--hardware='nosuch'")
-    assert_error(run("-m", "jlco.sim", "--plot_dir", str(afile / "plots")), 2, "--plot_dir",
+    assert_error(run("-m", "jlco.sim", "--out", str(afile / "plots")), 2, "--out",
                  "not a directory")
 
 
