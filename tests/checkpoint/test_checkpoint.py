@@ -11,6 +11,7 @@ import importlib.util
 import json
 import pathlib
 import shutil
+import sys
 
 import chex
 import ml_dtypes
@@ -126,7 +127,12 @@ def test_bf16_and_f16_checkpoints_load_like_library(ckpts, tmp_path):
         chex.assert_trees_all_equal({n: f16.tensors[n]}, {n: t})
 
 
-def test_progress_goes_to_stderr_and_can_be_silenced(ckpts, capsys):
+def test_progress_goes_to_stderr_on_a_terminal_only(ckpts, capsys, monkeypatch):
+    """The bar goes to stderr when it is a terminal; a redirected log gets none, and
+    progress=False silences it everywhere."""
+    load_hf_checkpoint(ckpts / "sharded", progress=True)
+    assert capsys.readouterr() == ("", "")          # captured stderr: not a terminal
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
     load_hf_checkpoint(ckpts / "sharded", progress=True)
     out, err = capsys.readouterr()
     assert out == "" and "loading HF tensors" in err and "model-000" in err
