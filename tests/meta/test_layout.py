@@ -101,7 +101,8 @@ def test_every_package_has_a_docstring(pkg):
 
 
 def test_nothing_cites_files_outside_the_repository():
-    out = subprocess.run(["git", "grep", "-n", "-e", "../shared", "-e", "shared/design",
-                          "--", ".", ":!tests/meta/test_layout.py"],
+    # The patterns are built from pieces so this file does not match itself.
+    outside = ("../" + "shared", "shared" + "/design")
+    out = subprocess.run(["git", "grep", "-n", "-e", outside[0], "-e", outside[1]],
                          cwd=ROOT, capture_output=True, text=True)
     assert out.stdout == "", out.stdout
