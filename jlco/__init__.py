@@ -5,7 +5,8 @@ Wings, each a package with its own docstring saying what it may import:
 `config` (the validated config tree), `pallas/` (kernels + references), `offload/`
 (host pool, pages, hot buffer, fetch), `model/` (Flax NNX model, device cache, prefill),
 `checkpoint/` (HF and Orbax), `engine/` (scheduler, runner, engine), `planning/`
-(memory planner, throughput simulator, hardware, traces). The modules at this level are
+(memory planner, throughput simulator, hardware, traces, roofline), `util/` (atomic
+writes, one-line CLI errors, the compilation cache). The modules at this level are
 thin absl entry points: `python -m jlco.generate | convert | plan | sim`.
 """
 
