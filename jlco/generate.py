@@ -44,6 +44,7 @@ from typing import Any
 from absl import app, flags, logging
 
 from jlco.util import cli, compile_cache
+from jlco.util.buckets import pow2_bucket
 
 FLAGS = flags.FLAGS
 PROG = "jlco.generate"
@@ -278,12 +279,6 @@ def _load_weights(choice: ModelChoice):
 # ----------------------------------------------------------------------------- engine
 
 
-def _bucket(n: int, cap: int, minimum: int) -> int:
-    """Next power of two >= max(n, minimum), at most `cap`: nearby request sizes share
-    one compiled shape (and the persistent compilation cache)."""
-    return min(cap, 1 << (max(n, minimum) - 1).bit_length())
-
-
 def engine_shape(model, engine, lens: list[int], max_new: int, explicit: bool,
                  own_model: bool) -> dict:
     """Config overrides sizing `engine` (an EngineConfig) for these prompts on `model`
@@ -302,11 +297,11 @@ def engine_shape(model, engine, lens: list[int], max_new: int, explicit: bool,
                              f"invalid: allowed <= the model's max_position_embeddings ({mpe}); "
                              "omit --config to size the context from the request")
     else:
-        ctx = _bucket(need, mpe, MIN_CONTEXT)
+        ctx = pow2_bucket(need, MIN_CONTEXT, mpe)
     batch = len(lens)
     if explicit and own_model:
         batch = max(batch, engine.max_batch_size)
-    chunk = min(engine.prefill_chunk, _bucket(max(lens), engine.prefill_chunk, MIN_CHUNK))
+    chunk = min(engine.prefill_chunk, pow2_bucket(max(lens), MIN_CHUNK, engine.prefill_chunk))
     return dict(engine__max_context_len=ctx, engine__max_batch_size=batch,
                 engine__prefill_chunk=chunk)
 

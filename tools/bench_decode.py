@@ -634,16 +634,10 @@ def main(argv):
     report["wall_s"] = time.perf_counter() - t0
     stem = "bench_decode_sweep" if sweep else "bench_decode"
     json_path, png_path = out / f"{stem}.json", out / f"{stem}.png"
-    text = cli.report_json(report)
-    atomic.write_text(json_path, text + "\n")
     (plot_sweep if sweep else plot)(report, png_path)
     summary = table(report) + (f"\n{desc}; {machine_desc}; wall {report['wall_s']:.0f} s; "
                                f"JSON {json_path}; plot {png_path}")
-    if FLAGS.json:
-        _say(summary)
-        print(text)
-    else:
-        print(summary)
+    cli.write_report(json_path, report, summary, FLAGS.json)
 
 
 if __name__ == "__main__":

@@ -190,13 +190,7 @@ def main(argv):
     path = out / "bench_fetch.json"
     lines.append(f"device {dev} (jax {jax.__version__}); pool {report['pool_bytes'] / 1e6:.0f} "
                  f"MB; link {link} GB/s ({link_source}). {note}\nJSON {path}")
-    text = cli.report_json(report)
-    atomic.write_text(path, text + "\n")
-    if FLAGS.json:
-        print("\n".join(lines), file=sys.stderr)
-        print(text)
-    else:
-        print("\n".join(lines))
+    cli.write_report(path, report, "\n".join(lines), FLAGS.json)
 
 
 if __name__ == "__main__":

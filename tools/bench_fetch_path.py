@@ -155,13 +155,7 @@ def main(argv):
         cli.fail(PROG, "the two fetch paths disagree on hits", cli.FAILURE_EXIT)
     path = out / "bench_fetch_path.json"
     lines.append(f"roofline: {machine.name}; JSON {path}")
-    text = cli.report_json(result)
-    atomic.write_text(path, text + "\n")
-    if FLAGS.json:
-        print("\n".join(lines), file=sys.stderr)
-        print(text)
-    else:
-        print("\n".join(lines))
+    cli.write_report(path, result, "\n".join(lines), FLAGS.json)
 
 
 if __name__ == "__main__":

@@ -266,15 +266,9 @@ def main(argv):
     report = dict(device=dev.device_kind, platform=dev.platform, jax=jax.__version__,
                   peak=peak, peak_source=peak_source, config=cfg, results=rows)
     path = out / "bench_kernels.json"
-    text = cli.report_json(report)
-    atomic.write_text(path, text + "\n")
     summary = (f"device: {dev.device_kind} ({dev.platform}); peak TFLOP/s, GB/s: {peak} "
                f"({peak_source})\nshapes: {json.dumps(cfg)}\n{_table(rows)}\nJSON {path}")
-    if FLAGS.json:
-        print(summary, file=sys.stderr)
-        print(text)
-    else:
-        print(summary)
+    cli.write_report(path, report, summary, FLAGS.json)
 
 
 if __name__ == "__main__":

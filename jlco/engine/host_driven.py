@@ -53,6 +53,7 @@ from jlco.config import Config
 from jlco.engine import steps as engine_steps
 from jlco.model import kv_cache
 from jlco.model.kv_cache import DecodeCache, cache_layers
+from jlco.util.buckets import pow2_bucket
 from jlco.offload.host_pool import HostLatentPool, host_row_ids
 from jlco.offload.hot_buffer import insert_new, resolve
 from jlco.offload.latent import STAT_D2H, STAT_HITS, STAT_LOOKUPS, STAT_MISSES
@@ -83,12 +84,6 @@ def micro_batches(batch: int) -> tuple[tuple[int, int], ...]:
     """(first slot, size) of the two micro-batches: halves, the first one larger."""
     first = -(-batch // 2)
     return ((0, first),) if first == batch else ((0, first), (first, batch - first))
-
-
-def _bucket(n: int, cap: int) -> int:
-    """Rows a chunk of n is padded to: the next power of two, at most `cap` (0 = none)."""
-    b = 1 << max(n - 1, 0).bit_length()
-    return min(b, cap) if cap else b
 
 
 def _slice(a, b0, nb: int, axis: int = 0):
@@ -379,7 +374,7 @@ class HostDriven:
                                "host page (pages must be reserved before decoding)")
         step = self.window or n
         chunks = [(a, min(a + step, n)) for a in range(0, n, step)]
-        bufs = [np.zeros((_bucket(b - a, self.window), self.pool.row_bytes), np.uint8)
+        bufs = [np.zeros((pow2_bucket(b - a, cap=self.window), self.pool.row_bytes), np.uint8)
                 for a, b in chunks]
         background = len(chunks) > 1 or n >= 2 * MIN_ROWS_PER_THREAD
         moved = 0

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from jlco.config import Config
 from jlco.model.fp8_emul import quantize_e4m3
 from jlco.offload import latent as offload_latent
+from jlco.util.buckets import pow2_bucket
 
 
 @partial(jax.tree_util.register_dataclass,
@@ -182,7 +183,7 @@ def write_index_key(cache: DecodeCache, layer: int, k: jax.Array,
 def scan_bucket(n: int, max_len: int, minimum: int = 1024) -> int | None:
     """The `DecodeCache.scan_len` for contexts of at most n positions: the next power of
     two (at least `minimum`), or None when that reaches max_len (scan everything)."""
-    b = max(minimum, 1 << max(int(n) - 1, 0).bit_length())
+    b = pow2_bucket(n, minimum)
     return None if b >= max_len else b
 
 

@@ -118,3 +118,16 @@ def report_json(obj, indent: int | None = 1) -> str:
             return None
         return v
     return json.dumps(clean(obj), indent=indent, allow_nan=False)
+
+
+def write_report(path, report, table: str, as_json: bool) -> None:
+    """A tool's ending: the report as strict JSON written atomically to `path`, then the
+    table on stdout, or with `as_json` the JSON on stdout and the table on stderr."""
+    from jlco.util import atomic
+    text = report_json(report)
+    atomic.write_text(path, text + "\n")
+    if as_json:
+        print(table, file=sys.stderr)
+        print(text)
+    else:
+        print(table)

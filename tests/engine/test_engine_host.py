@@ -14,6 +14,7 @@ from jlco.engine import host_driven as engine_host
 from jlco.engine.core import Engine
 from jlco.engine.runner import device_cache_bytes
 from jlco.planning.trace import read_trace
+from jlco.util.buckets import pow2_bucket
 
 COUNTS = ("lookups", "hits", "misses", "h2d_rows", "d2h_rows")
 
@@ -98,5 +99,6 @@ def test_micro_batches_and_buckets():
     assert engine_host.micro_batches(1) == ((0, 1),)
     assert engine_host.micro_batches(2) == ((0, 1), (1, 1))
     assert engine_host.micro_batches(5) == ((0, 3), (3, 2))
-    assert [engine_host._bucket(n, 0) for n in (1, 3, 4, 5, 100)] == [1, 4, 4, 8, 128]
-    assert engine_host._bucket(100, 96) == 96 and engine_host._bucket(5, 16) == 8
+    assert [pow2_bucket(n, cap=0) for n in (1, 3, 4, 5, 100)] == [1, 4, 4, 8, 128]
+    assert pow2_bucket(100, cap=96) == 96 and pow2_bucket(5, cap=16) == 8
+    assert pow2_bucket(3, 64, 512) == 64 and pow2_bucket(700, 64, 512) == 512
