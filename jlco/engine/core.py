@@ -7,6 +7,8 @@ API that `jlco.generate`, the tools and the server use: submit / step / abort / 
 
 from __future__ import annotations
 
+import collections
+import time
 from typing import Iterable
 
 from jlco.config import Config
@@ -30,6 +32,10 @@ class Engine:
                                    cfg.model.vocab_size, pages=self.runner.pages)
         self.step_count = 0
         self.step_seconds: list[float] = []   # wall time of each decode step (one sync)
+        # Host time of each step that did not overlap the device: scheduling, dispatch,
+        # token bookkeeping (the step's wall time minus the time spent waiting on it).
+        self.host_seconds: list[float] = []
+        self._jobs: collections.deque = collections.deque()   # runner.PrefillJob, oldest first
 
     @property
     def metrics(self):
@@ -43,33 +49,76 @@ class Engine:
 
     # ---- requests -----------------------------------------------------------------
     def submit(self, prompt, max_new_tokens: int, temperature: float = 0.0, seed: int = 0,
-               stop_token_ids: Iterable[int] = ()) -> Request:
+               stop_token_ids: Iterable[int] = (), top_p: float = 1.0,
+               top_k: int = 0) -> Request:
         """Queue a request; invalid fields raise RequestError naming the field."""
-        return self.scheduler.add(prompt, max_new_tokens, temperature, seed, stop_token_ids)
+        return self.scheduler.add(prompt, max_new_tokens, temperature, seed, stop_token_ids,
+                                  top_p=top_p, top_k=top_k)
 
     def abort(self, request_id: int) -> None:
-        self.scheduler.abort(request_id)
+        """Abort a waiting, prefilling or running request: its slot and pages come back."""
+        self.finish(request_id, "abort")
+
+    def finish(self, request_id: int, reason: str) -> None:
+        """End a request early for `reason` ("abort", or "stop" when the caller matched a
+        stop string): slot, pages and the runner's state for it come back."""
+        self.scheduler.finish(request_id, reason)
+        self._jobs = collections.deque(j for j in self._jobs if j.req.id != request_id)
         self.runner.forget(request_id)
+
+    @property
+    def num_prefilling(self) -> int:
+        """Requests admitted whose prefill has not finished."""
+        return len(self._jobs)
 
     # ---- decoding -----------------------------------------------------------------
     def step(self) -> bool:
-        """Admit what fits (prefilling each admitted request, which emits its first
-        token), then decode one step for every running request. Returns False when
-        nothing is left to do."""
-        sched = self.scheduler
+        """One engine step: admit what fits, queue one decode step for every running
+        request whose prefill is done and, while the device computes it, spend at most
+        `engine.prefill_chunk` prompt positions on prefills (oldest first; a prefill that
+        completes emits its request's first token). So a long prompt arriving never stalls
+        the running requests for more than one chunk per step. Returns False when nothing
+        is left to do."""
+        t0 = time.perf_counter()
+        sched, run = self.scheduler, self.runner
         plan = sched.schedule()
-        self._prefill(plan.prefills)
-        running = [r for r in plan.decodes if not r.done]
-        if not running:
+        for req in plan.prefills:
+            self._jobs.append(run.start_prefill(req, self._page_row(req)))
+        decoding = [r for r in plan.decodes if not r.done and r.tokens]
+        pending = run.dispatch(decoding) if decoding else None
+        self._advance_prefills(self.cfg.engine.prefill_chunk)
+        if pending is None:
             return sched.has_work
-        out = self.runner.decode(running)
+        t_wait = time.perf_counter()
+        out = run.collect(pending)
+        t_end = time.perf_counter()
         self.step_seconds.append(out.seconds)
+        self.host_seconds.append((t_wait - t0) + (t_end - t_wait - out.wait_seconds))
         self.step_count += 1
-        for req, toks, logps in zip(running, out.tokens, out.logprobs):
+        drafted = out.drafted or (0,) * len(decoding)
+        accepted = out.accepted or (0,) * len(decoding)
+        for req, toks, logps, d, a in zip(decoding, out.tokens, out.logprobs, drafted, accepted):
+            req.num_drafted += d
+            req.num_accepted += a
             for tok, logp in zip(toks, logps):
                 if self._append(req, tok, logp):
                     break
         return True
+
+    def _advance_prefills(self, budget: int | None) -> None:
+        """Run prefill pieces, oldest request first, until `budget` prompt positions are
+        spent (the first piece always runs; None = run every prefill to its end)."""
+        while self._jobs and (budget is None or budget > 0):
+            job = self._jobs[0]
+            cost = self.runner.prefill_piece(job)
+            budget = None if budget is None else budget - cost
+            if job.finished:
+                self._jobs.popleft()
+                self._append(job.req, *self.runner.finish_prefill(job))
+
+    def _page_row(self, req: Request):
+        pages = self.scheduler.pages
+        return None if pages is None else pages.page_table([req.id], self.runner.pages_per_request)[0]
 
     def _append(self, req: Request, tok: int, logp: float) -> bool:
         done = self.scheduler.append(req, tok, logp)
@@ -78,18 +127,13 @@ class Engine:
         return done
 
     def admit(self) -> list[Request]:
-        """Only the admission half of `step`: admit and prefill what fits, no decode."""
+        """Only the admission half of `step`: admit what fits and prefill it (and any
+        prefill in progress) to the end, no decode."""
         admitted = list(self.scheduler.schedule().prefills)
-        self._prefill(admitted)
+        for req in admitted:
+            self._jobs.append(self.runner.start_prefill(req, self._page_row(req)))
+        self._advance_prefills(None)
         return admitted
-
-    def _prefill(self, reqs) -> None:
-        sched = self.scheduler
-        for req in reqs:
-            page_row = None
-            if sched.pages is not None:
-                page_row = sched.pages.page_table([req.id], self.runner.pages_per_request)[0]
-            self._append(req, *self.runner.prefill(req, page_row))
 
     def run(self) -> None:
         while self.step():
@@ -104,8 +148,13 @@ class Engine:
         return reqs
 
     def check_no_leaks(self) -> None:
-        """Every slot and page is owned by a running request (and nothing else)."""
+        """Every slot and page is owned by a running request (and nothing else), and every
+        prefill in progress belongs to one."""
         self.scheduler.check_no_leaks()
+        for job in self._jobs:
+            if job.req.status != "running":
+                raise AssertionError(f"a prefill is left for request {job.req.id} "
+                                     f"({job.req.status})")
 
     def close(self) -> None:
         self.runner.close()

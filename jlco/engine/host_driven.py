@@ -212,10 +212,11 @@ _end = jax.jit(_end_forward, donate_argnums=2)
 
 
 @functools.partial(jax.jit, donate_argnums=2)
-def _end_decode(graphdef, state, cache, x, active, saved_table, temps, seeds, counts):
+def _end_decode(graphdef, state, cache, x, active, saved_table, temps, seeds, counts, top_ps,
+                top_ks):
     logits, cache = _end_forward(graphdef, state, cache, x, active, saved_table)
     tok, logp = engine_steps.sample_rows(logits[:, -1], temps,
-                                         engine_steps.request_keys(seeds, counts))
+                                         engine_steps.request_keys(seeds, counts), top_ps, top_ks)
     return tok, logp, cache
 
 
@@ -292,10 +293,11 @@ class HostDriven:
         return _end(graphdef, state, cache, x, active, saved)
 
     def decode_step(self, graphdef, state, cache: DecodeCache, tokens, active, temps, seeds,
-                    counts):
+                    counts, top_ps, top_ks):
         """As `engine_steps.decode_step`: → (tokens [b], logprobs [b], cache)."""
         cache, saved, x = self._layers(graphdef, state, cache, tokens, active, record=True)
-        return _end_decode(graphdef, state, cache, x, active, saved, temps, seeds, counts)
+        return _end_decode(graphdef, state, cache, x, active, saved, temps, seeds, counts,
+                           top_ps, top_ks)
 
     def install(self, cache: DecodeCache, temp: DecodeCache, slot, n, page_row):
         """As `engine_steps.install`, plus the prefilled rows into the host pool."""

@@ -116,10 +116,46 @@ def sample_key(seed: int, count: int) -> np.ndarray:
 @dataclasses.dataclass(frozen=True)
 class DecodeOutput:
     """One decode step: per decoded request (in the order given), the tokens it emitted
-    (1, or up to 1 + drafts with speculative decoding) and their log-probs."""
+    (1, or up to 1 + drafts with speculative decoding) and their log-probs; with
+    speculative decoding also the drafts proposed for it and how many were accepted."""
     tokens: tuple[tuple[int, ...], ...]
     logprobs: tuple[tuple[float, ...], ...]
     seconds: float
+    drafted: tuple[int, ...] = ()
+    wait_seconds: float = 0.0           # of `seconds`, blocked waiting for the device
+    accepted: tuple[int, ...] = ()
+
+
+@dataclasses.dataclass(eq=False)
+class PrefillJob:
+    """A request's prefill in progress: its one-request cache `temp` and the prompt
+    pieces (lo, hi, chunk shape) still to run."""
+    req: Request
+    page_row: np.ndarray | None
+    temp: DecodeCache | None
+    tokens: np.ndarray                        # int32 [1, n]
+    pieces: list[tuple[int, int, int]]
+    done_pieces: int = 0
+    logits: jax.Array | None = None           # at the last prompt position so far
+
+    @property
+    def finished(self) -> bool:
+        return self.done_pieces == len(self.pieces)
+
+    @property
+    def pending_cost(self) -> int:
+        """Padded prompt positions left to compute."""
+        return sum(c for _, _, c in self.pieces[self.done_pieces:])
+
+
+@dataclasses.dataclass(frozen=True)
+class PendingDecode:
+    """A dispatched decode step: the device arrays to read (`arrays`), or the finished
+    output (`done`) for steps that ran to the end."""
+    running: tuple[Request, ...]
+    t0: float
+    arrays: tuple | None = None
+    done: DecodeOutput | None = None
 
 
 class ModelRunner:
@@ -212,33 +248,57 @@ class ModelRunner:
         return self.jit(steps.warm_up, 0, ("cache", "dev"))
 
     # ---- prefill ------------------------------------------------------------------
-    def prefill(self, req: Request, page_row: np.ndarray | None) -> tuple[int, float]:
-        """Prefill `req.prompt` alone, install it in batch slot `req.slot` (offloaded:
-        into the host pages `page_row`, then warm its hot buffer) and sample its first
-        token → (token, log-prob)."""
-        cfg, n, slot = self.cfg, len(req.prompt), req.slot
+    def start_prefill(self, req: Request, page_row: np.ndarray | None) -> PrefillJob:
+        """A chunked prefill of `req.prompt` for slot `req.slot` (offloaded: into the host
+        pages `page_row`); advance it with `prefill_piece`, end it with `finish_prefill`.
+        Its pieces are the same whatever else runs: chunk shapes change float reduction
+        order, and offload on must equal offload off (and a served request the same
+        request alone) bit for bit."""
+        cfg, n = self.cfg, len(req.prompt)
         temp = init_cache(cfg, batch=1, max_len=self.max_len)
-        # The same prefill split with offload on and off: chunk shapes change float
-        # reduction order, and offload on must equal offload off bit for bit.
         w = min(self.warmup_queries, n)
         if w and self.offload:
             temp = dataclasses.replace(temp, record=jnp.full(
                 (cache_layers(cfg), 1, w, cfg.model.index_topk), -1, jnp.int32))
-        toks = np.asarray([req.prompt], np.int32)
-        # The last w queries run as one chunk so their top-k sets are recorded.
-        pieces = [(0, n - w, cfg.engine.prefill_chunk), (n - w, n, w)] if w else \
-            [(0, n, cfg.engine.prefill_chunk)]
-        for lo, hi, chunk in pieces:
-            if hi > lo:
-                logits, _, temp = self._prefill_piece(req, temp, toks, lo, hi, chunk)
-        self.install(temp, slot, n, page_row)
-        if w and self.offload:
-            self.cache, fetched = self._jit_warm_up(self.cache, jnp.int32(slot), temp.record[:, 0])
+        # The last w queries run as one piece so their top-k sets are recorded.
+        chunk = cfg.engine.prefill_chunk
+        pieces = [(lo, min(lo + chunk, n - w), chunk) for lo in range(0, n - w, chunk)]
+        pieces += [(n - w, n, w)] if w else []
+        return PrefillJob(req, page_row, temp, np.asarray([req.prompt], np.int32), pieces)
+
+    def prefill_piece(self, job: PrefillJob) -> int:
+        """Run the job's next piece (queued on the device, no sync) → its cost in prompt
+        positions computed (the piece's padded width)."""
+        lo, hi, chunk = job.pieces[job.done_pieces]
+        job.logits, _, job.temp = self._prefill_piece(job.req, job.temp, job.tokens, lo, hi,
+                                                      chunk)
+        job.done_pieces += 1
+        return chunk
+
+    def finish_prefill(self, job: PrefillJob) -> tuple[int, float]:
+        """Install a finished prefill in its batch slot (offloaded: warm its hot buffer)
+        and sample its first token → (token, log-prob)."""
+        assert job.finished, "finish_prefill: pieces left"
+        req, n = job.req, len(job.req.prompt)
+        self.install(job.temp, req.slot, n, job.page_row)
+        if job.temp.record is not None and self.offload:
+            self.cache, fetched = self._jit_warm_up(self.cache, jnp.int32(req.slot),
+                                                    job.temp.record[:, 0])
             self.warmup_rows += int(fetched)
-        tok, logp = steps.sample_rows(logits[None, 0].astype(jnp.float32),
-                                      jnp.asarray([req.temperature], jnp.float32),
-                                      sample_key(req.seed, 0)[None])
+        tok, logp = steps.sample_rows(
+            job.logits[None, 0].astype(jnp.float32), jnp.asarray([req.temperature], jnp.float32),
+            sample_key(req.seed, 0)[None], jnp.asarray([req.top_p], jnp.float32),
+            jnp.asarray([req.top_k], jnp.int32))
+        job.temp = None
         return int(tok[0]), float(logp[0])
+
+    def prefill(self, req: Request, page_row: np.ndarray | None) -> tuple[int, float]:
+        """Prefill `req.prompt` whole (every piece of `start_prefill`), install it and
+        sample its first token → (token, log-prob)."""
+        job = self.start_prefill(req, page_row)
+        while not job.finished:
+            self.prefill_piece(job)
+        return self.finish_prefill(job)
 
     def install(self, temp: DecodeCache, slot: int, n: int, page_row) -> None:
         """A finished one-request prefill `temp` (n positions) into batch slot `slot`,
@@ -259,27 +319,53 @@ class ModelRunner:
     # ---- decode -------------------------------------------------------------------
     def decode(self, running: Sequence[Request]) -> DecodeOutput:
         """One decode step for the running requests (every other slot idles)."""
+        return self.collect(self.dispatch(running))
+
+    def dispatch(self, running: Sequence[Request]) -> PendingDecode:
+        """Queue one decode step on the device and return at once (JAX's async dispatch):
+        the host can do the next step's work while the device computes; `collect` waits.
+        Speculative and host-driven steps run to the end here (their host work sits
+        between device phases)."""
+        t0 = time.perf_counter()
         if self.spec is not None:
-            return DecodeOutput(*self.spec.step(running))
+            out = DecodeOutput(*self.spec.step(running))
+            # Ran to the end: count it as device time (its host share is not separable).
+            return PendingDecode(tuple(running), t0,
+                                 done=dataclasses.replace(out, wait_seconds=out.seconds))
         tokens = np.zeros((self.batch, 1), np.int32)
         active = np.zeros((self.batch,), bool)
         temps = np.zeros((self.batch,), np.float32)
         seeds = np.zeros((self.batch,), np.uint32)
         counts = np.zeros((self.batch,), np.int32)
+        top_ps = np.ones((self.batch,), np.float32)
+        top_ks = np.zeros((self.batch,), np.int32)
         for r in running:
-            tokens[r.slot, 0], active[r.slot], temps[r.slot] = r.tokens[-1], True, r.temperature
-            seeds[r.slot], counts[r.slot] = r.seed, len(r.tokens)
+            s = r.slot
+            tokens[s, 0], active[s], temps[s] = r.tokens[-1], True, r.temperature
+            seeds[s], counts[s], top_ps[s], top_ks[s] = r.seed, len(r.tokens), r.top_p, r.top_k
         scan = scan_bucket(max(int(self.slot_len[r.slot]) for r in running) + 1, self.max_len)
-        t0 = time.perf_counter()
         tok, logp, cache = self._jit_step(self.graphdef, self.state,
                                           dataclasses.replace(self.cache, scan_len=scan),
-                                          tokens, active, temps, seeds, counts)
+                                          tokens, active, temps, seeds, counts, top_ps, top_ks)
         self.cache = dataclasses.replace(cache, scan_len=None)
         for r in running:
             self.slot_len[r.slot] += 1
-        stats = self.cache.latent.stats if self.offload else None
-        tok, logp, stats, rec = jax.device_get((tok, logp, stats, self.cache.record))  # one sync
-        seconds = time.perf_counter() - t0
+        # Copies: a prefill installed before `collect` donates the cache these live in.
+        stats = jnp.copy(self.cache.latent.stats) if self.offload else None
+        rec = None if self.cache.record is None else jnp.copy(self.cache.record)
+        return PendingDecode(tuple(running), t0, arrays=(tok, logp, stats, rec))
+
+    def collect(self, pending: PendingDecode) -> DecodeOutput:
+        """Wait for a dispatched step → its tokens (one sync for tokens, log-probs and the
+        offload counters)."""
+        if pending.done is not None:
+            return pending.done
+        running = pending.running
+        t_wait = time.perf_counter()
+        jax.block_until_ready(pending.arrays)
+        waited = time.perf_counter() - t_wait
+        tok, logp, stats, rec = jax.device_get(pending.arrays)
+        seconds = time.perf_counter() - pending.t0
         if stats is not None:
             self.record_stats(stats)
         if self.trace is not None:
@@ -288,7 +374,8 @@ class ModelRunner:
                     ids = rec[layer, r.slot, 0]
                     self.trace.record(r.id, len(r.tokens) - 1, layer, ids[ids >= 0])
         return DecodeOutput(tuple((int(tok[r.slot]),) for r in running),
-                            tuple((float(logp[r.slot]),) for r in running), seconds)
+                            tuple((float(logp[r.slot]),) for r in running), seconds,
+                            wait_seconds=waited)
 
     def record_stats(self, stats: np.ndarray) -> None:
         for layer, row in enumerate(stats):

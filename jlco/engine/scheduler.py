@@ -39,11 +39,15 @@ class Request:
     temperature: float = 0.0
     seed: int = 0
     stop_token_ids: tuple[int, ...] = ()
+    top_p: float = 1.0               # nucleus sampling (1 = off)
+    top_k: int = 0                   # top-k sampling (0 = off)
     tokens: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
     status: str = "waiting"          # one of STATUSES
     slot: int | None = None
     finish_reason: str | None = None  # one of FINISH_REASONS once done
+    num_drafted: int = 0             # speculative decoding: draft tokens proposed for it
+    num_accepted: int = 0            # ... and accepted
 
     @property
     def done(self) -> bool:
@@ -57,10 +61,10 @@ class Request:
 
 @dataclasses.dataclass(frozen=True)
 class SchedulerOutput:
-    """One step's plan. `prefills`: requests admitted this step, each with `slot` set
-    (prefilled whole, in order; a prefill emits the first token). `decodes`: the requests
-    to decode one step, by slot; a request prefilled this step is among them unless its
-    first token already finished it (the engine skips those that are done by then)."""
+    """One step's plan. `prefills`: requests admitted this step, each with `slot` set (to
+    be prefilled, in order, chunk by chunk over the following steps; a finished prefill
+    emits the request's first token). `decodes`: the running requests whose prefill has
+    finished (they hold a token to decode from), by slot."""
     prefills: tuple[Request, ...]
     decodes: tuple[Request, ...]
 
@@ -91,7 +95,8 @@ class Scheduler:
 
     # ---- requests -----------------------------------------------------------------
     def add(self, prompt: Sequence[int], max_new_tokens: int, temperature: float = 0.0,
-            seed: int = 0, stop_token_ids: Iterable[int] = ()) -> Request:
+            seed: int = 0, stop_token_ids: Iterable[int] = (), *, top_p: float = 1.0,
+            top_k: int = 0) -> Request:
         """Validate and queue a request; a bad field raises RequestError naming it."""
         vocab = self.vocab_size
         prompt = [int(t) if hasattr(t, "__index__") and not isinstance(t, bool) else t
@@ -109,12 +114,18 @@ class Scheduler:
             raise RequestError(f"temperature={temperature!r}: allowed 0 (greedy) .. 100")
         if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2 ** 32:
             raise RequestError(f"seed={seed!r}: allowed an integer in 0..2**32-1")
+        if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) \
+                or not 0.0 < top_p <= 1.0:
+            raise RequestError(f"top_p={top_p!r}: allowed a number in (0, 1] (1 = off)")
+        if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
+            raise RequestError(f"top_k={top_k!r}: allowed an integer >= 0 (0 = off)")
         stops = tuple(int(t) if hasattr(t, "__index__") and not isinstance(t, bool) else t
                       for t in stop_token_ids)
         if not all(_is_token(t, vocab) for t in stops):
             raise RequestError(f"stop_token_ids={list(stops)!r}: allowed token ids in "
                                f"0..{vocab - 1}")
-        req = Request(next(self._ids), prompt, max_new_tokens, float(temperature), seed, stops)
+        req = Request(next(self._ids), prompt, max_new_tokens, float(temperature), seed, stops,
+                      top_p=float(top_p), top_k=min(top_k, vocab))
         self.requests[req.id] = req
         self.waiting.append(req)
         return req
@@ -139,6 +150,14 @@ class Scheduler:
     def abort(self, request_id: int) -> None:
         """Abort a waiting or running request (unknown ids raise RequestError; a request
         already done is left as it is)."""
+        self.finish(request_id, "abort")
+
+    def finish(self, request_id: int, reason: str) -> None:
+        """End a waiting or running request early: "abort" (status aborted) or "stop"
+        (finished; the caller matched a stop string). Unknown ids raise RequestError; a
+        request already done is left as it is."""
+        if reason not in ("abort", "stop"):
+            raise ValueError(f"reason={reason!r}: allowed 'abort' or 'stop'")
         req = self.requests.get(request_id)
         if req is None:
             raise RequestError(f"request_id={request_id!r}: no such request")
@@ -146,7 +165,7 @@ class Scheduler:
             return
         if req in self.waiting:
             self.waiting.remove(req)
-        self._release(req, "aborted", "abort")
+        self._release(req, "aborted" if reason == "abort" else "finished", reason)
 
     # ---- one step -----------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -161,8 +180,7 @@ class Scheduler:
             self.waiting.pop(0)
             self._place(req)
             admitted.append(req)
-        decodes = tuple(r for r in self.slots
-                        if r is not None and (r not in admitted or r.max_new_tokens > 1))
+        decodes = tuple(r for r in self.slots if r is not None and r.tokens)
         return SchedulerOutput(tuple(admitted), decodes)
 
     def append(self, req: Request, token: int, logprob: float) -> bool:

@@ -10,10 +10,10 @@ last emitted token, not yet cached), all inside ONE jit:
              that follows each (x_{p+1}); the last one, (h_{L-1}, x_L), predicts d_1.
              Then it chains, as DeepSeek/vLLM do: (its own block output at L-1, d_1) at
              position L predicts d_2, and so on.
-  2. verify  tokens [x_L, d_1..d_n] at positions L..L+n → logits; the target token at j
-             is sampled from logits[j] exactly as the non-speculative step samples token
-             index len(tokens)+j (argmax at temperature 0; at temperature > 0 the same
-             per-token PRNG key). Draft j+1 is accepted while it equals target j.
+  2. verify  tokens [x_L, d_1..d_n] at positions L..L+n → logits; position j's token
+             (the request's token number len(tokens)+j) comes from logits[j]: at
+             temperature 0 the argmax, and draft j+1 is accepted while it equals it; at
+             temperature > 0 see below.
   3. emit    target 0..a (a accepted drafts + the bonus token), never more than the
              request has left (max_new_tokens); lengths roll back to L + a + 1.
 
@@ -32,10 +32,27 @@ same in cache layer `num_hidden_layers`: the row at position p comes from (h_p, 
 written per prefill chunk and by the catch-up of step 1. Deviation: vLLM zeroes the
 token embedding at position 0; `DeepseekV32.mtp_logits` does not (model-owned).
 
-Temperature > 0: verification samples every position from the target distribution with
-the request's own per-token key, so the emitted sequence is the one non-speculative
-sampling draws (exact in distribution, token for token up to float summation order);
-acceptance is lower than rejection sampling with min(1, p/q) would give.
+Temperature > 0 (`engine.spec_sampling`): p_j is the softmax of position j's logits
+after the request's temperature, top-k and top-p (`steps.sampling_logits`); all the
+randomness of the token number i = len(tokens)+j comes from fold_in(PRNGKey(seed), i),
+so a request draws the same tokens alone or in any batch, in any slot.
+  "rejection"  speculative sampling (Leviathan et al.; vLLM's rejection sampler with
+               draft probabilities absent): drafts are argmaxes, so q_j is a point mass
+               at d_{j+1} and draft j+1 is accepted with probability
+               min(1, p_j(d)/q_j(d)) = p_j(d), in order until the first rejection; a
+               rejection at j emits a draw from the residual max(0, p_j - q_j)
+               renormalised (p_j without d), and after n acceptances the bonus token is
+               drawn from p_n (`rejection_accept`). Every emitted token is distributed
+               exactly as non-speculative sampling's, but the random bits are used
+               differently, so the tokens are not the non-speculative engine's.
+  "per_token"  every position is drawn from p_j with the key non-speculative sampling
+               uses for that token number, and a draft is accepted while it equals the
+               draw: the emitted sequence is the non-speculative one token for token (up
+               to float summation order).
+With point-mass drafts both accept draft j+1 with the same probability p_j(d) (a draw
+from p_j equals d that often) and emit the same residual on rejection: the two rules are
+the same process on different random bits; `rejection` gains over `per_token` only for
+a drafter that samples (q not a point mass), which none here does.
 """
 
 from __future__ import annotations
@@ -52,7 +69,7 @@ from flax import nnx
 from jax.sharding import SingleDeviceSharding
 
 from jlco.engine import host_driven as engine_host
-from jlco.engine.steps import mask_inactive, sample_rows
+from jlco.engine.steps import mask_inactive, sampling_logits
 from jlco.model.decode import _logits, prefill
 from jlco.offload.latent import OffloadLatent
 
@@ -160,12 +177,55 @@ class SpecMetrics:
                     acceptance_rate=self.acceptance_rate)
 
 
+def rejection_accept(logits, drafts, keys):
+    """Speculative sampling of one request's verified positions against point-mass
+    drafts. logits [s, V]: position j's sampling logits (`steps.sampling_logits`: -inf
+    outside the kept set), s = n + 1; drafts int32 [n]: d_{j+1}, proposed for position
+    j; keys [s, 2]: position j's key. → (tokens int32 [s], accept bool [n]): draft j+1
+    is accepted with probability p_j(d) (a uniform from the key's first half); token j <
+    n is d_{j+1} if accepted, else a draw from p_j without d (the residual, from the
+    second half); token n is a draw from p_n with the key itself (the bonus token). The
+    caller emits tokens 0..a, a = leading accepts: each is distributed as p_j."""
+    n = drafts.shape[0]
+    rows = jnp.arange(n)
+    split = jax.vmap(jax.random.split)(keys[:n])                          # [n, 2, 2]
+    p_draft = jnp.exp(jax.nn.log_softmax(logits[:n], axis=-1)[rows, drafts])
+    accept = jax.vmap(jax.random.uniform)(split[:, 0]) < p_draft
+    # p_j(d) == 1 leaves the residual empty, but then u < 1 always accepts.
+    residual = logits[:n].at[rows, drafts].set(-jnp.inf)
+    redrawn = jax.vmap(jax.random.categorical)(split[:, 1], residual)
+    bonus = jax.random.categorical(keys[n], logits[n])
+    tokens = jnp.concatenate([jnp.where(accept, drafts, redrawn), bonus[None]])
+    return tokens.astype(jnp.int32), accept
+
+
+def _verify_tokens(logits, drafts, temps, keys, top_ps, top_ks, sampling: str):
+    """logits [b, s, V], drafts [b, n], per-slot temps / top_ps / top_ks [b], keys [b, s, 2]
+    → (tokens int32 [b, s], accept bool [b, n]) before the leading-accept cut. Greedy
+    rows: argmax, accepted while equal; sampled rows: `per_token` draws with the
+    non-speculative key and accepts while equal, `rejection` uses `rejection_accept`."""
+    b, s, v = logits.shape
+    flat = sampling_logits(logits.reshape(b * s, v), jnp.repeat(temps, s),
+                           jnp.repeat(top_ps, s), jnp.repeat(top_ks, s))
+    drawn = jax.vmap(jax.random.categorical)(keys.reshape(b * s, -1), flat).reshape(b, s)
+    tok = jnp.where(temps[:, None] > 0, drawn, jnp.argmax(logits, axis=-1)).astype(jnp.int32)
+    accept = drafts == tok[:, :s - 1]
+    if sampling == "rejection":
+        rej_tok, rej_accept = jax.vmap(rejection_accept)(flat.reshape(b, s, v), drafts, keys)
+        sampled = temps > 0
+        tok = jnp.where(sampled[:, None], rej_tok, tok)
+        accept = jnp.where(sampled[:, None], rej_accept, accept)
+    return tok, accept
+
+
 def spec_step(graphdef, state, cache, pend_h, pend_tok, pend_n, host_drafts, active, temps,
-              base_keys, counts, limit, *, drafter: Drafter, n: int, impl: str):
+              top_ps, top_ks, base_keys, counts, limit, *, drafter: Drafter, n: int,
+              impl: str, sampling: str):
     """One speculative step for every slot → (targets int32 [b, n+1], their log-probs
     [b, n+1], accepted drafts [b], verify hidden [b, n+1, d], drafts [b, n], cache).
-    counts [b]: tokens emitted so far (the PRNG index of target 0); limit [b]: tokens
-    the request may still emit (>= 1 when active)."""
+    top_ps [b], top_ks int32 [b]: the sampling filters (1 / 0 = off); counts [b]:
+    tokens emitted so far (the PRNG index of target 0); limit [b]: tokens the request
+    may still emit (>= 1 when active); sampling: `engine.spec_sampling`."""
     model = nnx.merge(graphdef, state)
     cache = mask_inactive(cache, active)
     saved = cache.latent.page_table if isinstance(cache.latent, OffloadLatent) else None
@@ -175,14 +235,14 @@ def spec_step(graphdef, state, cache, pend_h, pend_tok, pend_n, host_drafts, act
     last = pend_tok[jnp.arange(pend_tok.shape[0]), pend_n - 1]
     h, cache = model(jnp.concatenate([last[:, None], drafts], axis=1), cache, impl=impl)
     logits = model.logits(h)                                              # [b, n+1, V]
-    b, s, v = logits.shape
+    s = logits.shape[1]
     keys = jax.vmap(lambda k, c: jax.vmap(lambda j: jax.random.fold_in(k, c + j))(
         jnp.arange(s)))(base_keys, counts)                                # [b, s, 2]
-    tok, logp = sample_rows(logits.reshape(b * s, v), jnp.repeat(temps, s),
-                             keys.reshape(b * s, -1))
-    tok, logp = tok.reshape(b, s), logp.reshape(b, s)
-    match = (drafts == tok[:, :n]).astype(jnp.int32)
-    accepted = jnp.minimum(jnp.cumprod(match, axis=1).sum(axis=1), jnp.maximum(limit - 1, 0))
+    tok, accept = _verify_tokens(logits, drafts, temps, keys, top_ps, top_ks, sampling)
+    logp = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), tok[..., None],
+                               axis=-1)[..., 0]
+    accepted = jnp.minimum(jnp.cumprod(accept.astype(jnp.int32), axis=1).sum(axis=1),
+                           jnp.maximum(limit - 1, 0))
     if saved is not None:
         cache = dataclasses.replace(cache, latent=dataclasses.replace(
             cache.latent, page_table=jnp.where(active[:, None], saved, cache.latent.page_table)))
@@ -191,11 +251,11 @@ def spec_step(graphdef, state, cache, pend_h, pend_tok, pend_n, host_drafts, act
 
 
 @functools.lru_cache(maxsize=None)
-def _jitted_step(drafter: Drafter, n: int, impl: str, out_shardings):
-    """`spec_step` jitted once per (drafter class, n, impl, output shardings), so
-    engines built alike share one compiled step. out_shardings: (leaves, treedef) or
-    None (offload off: jit keeps everything on device)."""
-    fn = functools.partial(spec_step, drafter=drafter, n=n, impl=impl)
+def _jitted_step(drafter: Drafter, n: int, impl: str, sampling: str, out_shardings):
+    """`spec_step` jitted once per (drafter class, n, impl, spec_sampling, output
+    shardings), so engines built alike share one compiled step. out_shardings: (leaves,
+    treedef) or None (offload off: jit keeps everything on device)."""
+    fn = functools.partial(spec_step, drafter=drafter, n=n, impl=impl, sampling=sampling)
     if out_shardings is None:
         return jax.jit(fn, donate_argnums=2)
     return jax.jit(fn, donate_argnums=2,
@@ -285,7 +345,8 @@ class Speculator:
             dev = SingleDeviceSharding(jax.devices()[0])
             leaves, tree = jax.tree.flatten((dev,) * 5 + (run.cache_shardings(),))
             shard = (tuple(leaves), tree)
-        return _jitted_step(self.drafter, self.n, run.impl, shard)
+        return _jitted_step(self.drafter, self.n, run.impl, run.cfg.engine.spec_sampling,
+                            shard)
 
     def prefill(self, req, temp, prompt, lo, hi, chunk):
         """The runner's prefill of prompt positions lo..hi-1, with the MTP rows filled
@@ -306,6 +367,8 @@ class Speculator:
         pend_n = np.ones((b,), np.int32)
         active = np.zeros((b,), bool)
         temps = np.zeros((b,), np.float32)
+        top_ps = np.ones((b,), np.float32)
+        top_ks = np.zeros((b,), np.int32)
         keys = np.zeros((b, 2), np.uint32)
         counts = np.zeros((b,), np.int32)
         limit = np.zeros((b,), np.int32)
@@ -319,6 +382,7 @@ class Speculator:
             k, s = self.pend_n[r.id], r.slot
             pend_tok[s, :k], pend_n[s], active[s] = r.tokens[-k:], k, True
             temps[s], keys[s], counts[s] = r.temperature, self._keys[r.id], len(r.tokens)
+            top_ps[s], top_ks[s] = r.top_p, r.top_k
             limit[s] = r.max_new_tokens - len(r.tokens)
             slots[s] = r
         drafts = np.asarray(self.drafter.host_drafts(slots, n), np.int32)
@@ -327,11 +391,13 @@ class Speculator:
             raise ValueError(f"drafter.host_drafts: must be int32 [{b}, {n}] in -1..{vocab - 1} "
                              f"(-1 = none); got shape {drafts.shape}, range "
                              f"{drafts.min()}..{drafts.max()}")
-        return pend_tok, pend_n, drafts, active, temps, keys, counts, limit
+        return pend_tok, pend_n, drafts, active, temps, top_ps, top_ks, keys, counts, limit
 
     def step(self, running):
         """The runner's `decode` with drafts: draft + verify in one jit → (tokens,
-        log-probs, seconds) with 1 + accepted tokens per request, in `running` order."""
+        log-probs, seconds, drafted, accepted), per request in `running` order: 1 +
+        accepted tokens, their log-probs, the usable drafts (min(n, tokens left - 1))
+        and how many of them were accepted."""
         run = self.runner
         args = self._inputs(running)
         t0 = time.perf_counter()
@@ -343,17 +409,21 @@ class Speculator:
         if stats is not None:
             run.record_stats(stats)
         self.metrics.steps += 1
-        out_tok, out_logp = [], []
+        out_tok, out_logp, out_drafted, out_acc = [], [], [], []
         for r in running:
             a, left = int(acc[r.slot]), r.max_new_tokens - len(r.tokens)
-            self._count(a, min(self.n, left - 1))
+            usable = min(self.n, left - 1)
+            self._count(a, usable)
+            out_drafted.append(usable)
+            out_acc.append(a)
             if self.draft_log is not None:
                 self.draft_log.append((r.id, r.slot, len(r.tokens),
                                        [int(t) for t in drafts[r.slot]]))
             self.pend_n[r.id] = a + 1
             out_tok.append(tuple(int(t) for t in tok[r.slot, :a + 1]))
             out_logp.append(tuple(float(p) for p in logp[r.slot, :a + 1]))
-        return tuple(out_tok), tuple(out_logp), seconds
+        return (tuple(out_tok), tuple(out_logp), seconds, tuple(out_drafted),
+                tuple(out_acc))
 
     def _count(self, accepted: int, usable: int) -> None:
         m = self.metrics

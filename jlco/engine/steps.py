@@ -21,13 +21,45 @@ from jlco.offload.hot_buffer import resolve
 from jlco.offload.latent import OffloadLatent
 
 
-def sample_rows(logits, temps, keys):
-    """logits [b, V] f32, temps [b], keys [b, 2] → (tokens [b], logprobs [b]); temp 0 =
-    greedy; the log-prob is of the untempered distribution (what `--json` reports)."""
-    def one(lg, t, key):
-        drawn = jax.random.categorical(key, lg / jnp.where(t > 0, t, 1.0))
-        return jnp.where(t > 0, drawn, jnp.argmax(lg)).astype(jnp.int32)
-    tok = jax.vmap(one)(logits, temps, keys)
+def sampling_logits(logits, temps, top_ps, top_ks):
+    """The logits a sampled row draws from: logits [b, V] f32 divided by the row's
+    temperature (temps [b], 0 = greedy rows are left untempered), then top-k (top_ks [b]
+    int32, 0 = off) and top-p (top_ps [b], 1 = off; nucleus over the top-k-renormalised
+    distribution, as vLLM applies them) set to -inf outside the kept set (ties with the
+    last kept value are kept). The sort over the vocabulary runs only when some row
+    filters."""
+    scaled = logits / jnp.where(temps > 0, temps, 1.0)[:, None]
+    v = logits.shape[-1]
+
+    def filtered(x):
+        desc = -jnp.sort(-x, axis=-1)                                   # [b, V]
+        k = jnp.where(top_ks > 0, jnp.minimum(top_ks, v), v)
+        idx = jnp.arange(v)[None]
+        in_k = jnp.where(idx < k[:, None], desc, -jnp.inf)
+        probs = jax.nn.softmax(in_k, axis=-1)
+        before = jnp.cumsum(probs, axis=-1) - probs                     # mass above each
+        n_p = jnp.where(top_ps < 1.0,
+                        jnp.maximum(jnp.sum(before < top_ps[:, None], axis=-1), 1), v)
+        keep = jnp.minimum(k, n_p)
+        thresh = jnp.take_along_axis(desc, (keep - 1)[:, None], axis=-1)
+        # Rows that filter nothing keep their logits bit for bit (a row samples the same
+        # alone as beside rows that filter).
+        return jnp.where(row_filters[:, None] & (x < thresh), -jnp.inf, x)
+
+    row_filters = (temps > 0) & ((top_ks > 0) | (top_ps < 1.0))
+    return jax.lax.cond(jnp.any(row_filters), filtered, lambda x: x, scaled)
+
+
+def sample_rows(logits, temps, keys, top_ps=None, top_ks=None):
+    """logits [b, V] f32, temps [b], keys [b, 2], top_ps [b] (default 1 = off), top_ks
+    [b] int32 (default 0 = off) → (tokens [b], logprobs [b]); temp 0 = greedy (top-p/k
+    ignored); the log-prob is of the untempered, unfiltered distribution (what
+    `--json` reports)."""
+    b = logits.shape[0]
+    top_ps = jnp.ones((b,), jnp.float32) if top_ps is None else top_ps
+    top_ks = jnp.zeros((b,), jnp.int32) if top_ks is None else top_ks
+    drawn = jax.vmap(jax.random.categorical)(keys, sampling_logits(logits, temps, top_ps, top_ks))
+    tok = jnp.where(temps > 0, drawn, jnp.argmax(logits, axis=-1)).astype(jnp.int32)
     logp = jax.nn.log_softmax(logits, axis=-1)
     return tok, jnp.take_along_axis(logp, tok[:, None], axis=-1)[:, 0]
 
@@ -67,13 +99,14 @@ def request_keys(seeds, counts):
     return jax.vmap(lambda s, c: jax.random.fold_in(jax.random.PRNGKey(s), c))(seeds, counts)
 
 
-def decode_step(graphdef, state, cache: DecodeCache, tokens, active, temps, seeds, counts, *,
-                impl):
+def decode_step(graphdef, state, cache: DecodeCache, tokens, active, temps, seeds, counts,
+                top_ps, top_ks, *, impl):
     """tokens [b, 1] → (next tokens [b], logprobs [b], cache). One jit, one sync (the
     caller reads tokens, logprobs and the offload counters together). seeds [b] uint32,
-    counts [b] int32: each request's sampling stream and position in it."""
+    counts [b] int32: each request's sampling stream and position in it; top_ps [b],
+    top_ks [b] int32: nucleus and top-k filters (1 / 0 = off)."""
     logits, cache = forward(graphdef, state, cache, tokens, active, impl=impl)
-    tok, logp = sample_rows(logits[:, -1], temps, request_keys(seeds, counts))
+    tok, logp = sample_rows(logits[:, -1], temps, request_keys(seeds, counts), top_ps, top_ks)
     return tok, logp, cache
 
 

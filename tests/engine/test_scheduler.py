@@ -53,12 +53,17 @@ def test_slots_limit_admission_and_finish_on_max_tokens():
     reqs = [s.add([1, 2, 3], n) for n in (1, 3, 2)]
     first = s.schedule()
     assert first.prefills == (reqs[0], reqs[1]) and s.waiting == [reqs[2]]
-    # a one-token request finishes on its prefill token and is not decoded
-    assert reqs[0] not in first.decodes and reqs[1] in first.decodes
+    # nothing decodes before its prefill's first token
+    assert first.decodes == ()
     for r in first.prefills:
         s.append(r, 5, -1.0)
+    # a one-token request finishes on its prefill token and is never decoded
     assert reqs[0].status == "finished" and reqs[0].finish_reason == "length"
     assert reqs[0].slot is None and s.slots.count(None) == 1
+    second = s.schedule()
+    assert second.decodes == (reqs[1],) and second.prefills == (reqs[2],)
+    for r in second.prefills + second.decodes:
+        s.append(r, 5, -1.0)
     drive(s)
     for r in reqs:
         assert r.status == "finished" and len(r.tokens) == r.max_new_tokens == len(r.logprobs)
@@ -81,6 +86,8 @@ def test_pages_limit_admission_fifo():
     assert big.done and s.pages.free_pages == 4
     plan = s.schedule()
     assert plan.prefills == (small, tiny)
+    for r in plan.prefills:
+        s.append(r, 1, 0.0)
     drive(s)
     assert_empty(s)
 
@@ -129,8 +136,9 @@ def test_abort_waiting_and_running_frees_everything():
 def test_abort_mid_run_then_others_complete():
     s = make(slots=2, pages=6)
     reqs = [s.add([1] * 5, 3) for _ in range(4)]
-    s.schedule()
-    s.abort(reqs[0].id)
+    plan = s.schedule()
+    s.abort(reqs[0].id)                 # aborted while its prefill runs
+    s.append(reqs[1], 1, 0.0)           # the other prefill's first token
     drive(s)
     assert [r.status for r in reqs] == ["aborted", "finished", "finished", "finished"]
     assert_empty(s)
