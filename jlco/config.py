@@ -324,12 +324,14 @@ class EngineConfig:
     prefill_chunk:      prompt tokens per prefill chunk (bounds the [chunk, L] score matrix).
     num_draft_tokens:   MTP draft tokens per step (0 = no speculation); s_q = 1 + this.
     spec_sampling:      how speculative decoding treats sampled requests (temperature > 0;
-                        greedy ones are always exact): "rejection" accepts draft d with
-                        probability min(1, p(d)/q(d)) and resamples a rejection from the
-                        residual (exact in distribution, the higher acceptance);
-                        "per_token" samples every verified position with the request's own
-                        per-token key and accepts a draft only when it equals that sample
-                        (the very stream non-speculative sampling draws).
+                        greedy ones are always exact): "per_token" samples every verified
+                        position with the request's own per-token key and accepts a draft
+                        when it equals that sample (the very stream non-speculative
+                        sampling draws); "rejection" accepts draft d with probability
+                        min(1, p(d)/q(d)) and resamples a rejection from the residual
+                        (exact in distribution). jlco's drafters propose one token (q a
+                        point mass), so both accept with probability p(d): the same
+                        acceptance; rejection pays off only with a sampling drafter.
     attention_impl:     "auto" picks the Pallas kernel on cuda/tpu and plain XLA elsewhere
                         (CPU), "xla" forces the plain-jnp fallback, "pallas" requires the
                         kernel, "interpret" runs the kernel in Pallas interpret mode off
@@ -339,7 +341,7 @@ class EngineConfig:
     max_context_len: int = 4096
     prefill_chunk: int = 512
     num_draft_tokens: int = 0
-    spec_sampling: str = "rejection"
+    spec_sampling: str = "per_token"
     attention_impl: str = "auto"
     seed: int = 0
 
@@ -350,7 +352,7 @@ class EngineConfig:
         _check(0 <= self.num_draft_tokens <= 7, f"{p}.num_draft_tokens",
                self.num_draft_tokens, "an integer in 0..7")
         _one_of(self, p, "attention_impl", ("auto", "xla", "pallas", "interpret"))
-        _one_of(self, p, "spec_sampling", ("rejection", "per_token"))
+        _one_of(self, p, "spec_sampling", ("per_token", "rejection"))
         _check(0 <= self.seed < 2 ** 32, f"{p}.seed", self.seed, "an integer in 0..2**32-1")
 
 

@@ -48,10 +48,7 @@ from jlco.util.buckets import pow2_bucket
 
 FLAGS = flags.FLAGS
 PROG = "jlco.generate"
-_ROOT = pathlib.Path(__file__).resolve().parent.parent
-_TINY = _ROOT / "configs" / "tiny.py"
 DTYPES = ("float32", "bfloat16", "float16")
-RANDOM_MODEL_MAX_BYTES = 2 << 30   # larger configs' models get tiny's shape (random weights)
 MIN_CONTEXT = 64                   # smallest context bucket (fewer distinct compiled shapes)
 MIN_CHUNK = 16
 
@@ -197,85 +194,6 @@ def _tokenize(prompts: list[Prompt], tokenizer_path, vocab: int) -> list[list[in
 # ----------------------------------------------------------------------------- model
 
 
-@dataclasses.dataclass
-class ModelChoice:
-    """The model config to run (weights not loaded yet) and what stderr should say."""
-    model: Any                  # jlco.config.ModelConfig
-    banner: str
-    tokenizer_path: pathlib.Path | None = None
-    own_model: bool = True      # False: the config's model was replaced by tiny's shape
-
-
-def _checkpoint_choice(path: str) -> ModelChoice:
-    """The checkpoint's model config and compute dtype, read without its weights."""
-    from jlco.checkpoint.load import (
-        checkpoint_dtype,
-        checkpoint_kind,
-        read_hf_config,
-        read_manifest,
-    )
-    kind = checkpoint_kind(path)
-    saved, where = checkpoint_dtype(path)
-    if kind == "orbax":
-        if FLAGS.dtype and FLAGS.dtype != saved:
-            raise ValueError(f"--dtype={FLAGS.dtype} is invalid for {path!r}: the Orbax checkpoint "
-                             f"holds {saved} weights; allowed --dtype={saved} (or convert the "
-                             f"HF checkpoint again with --dtype {FLAGS.dtype})")
-        mcfg, why = read_manifest(path)[0], f"stored in {where}"
-    else:
-        dtype, why = ((FLAGS.dtype, "--dtype") if FLAGS.dtype else
-                      (saved, f"from {where}") if saved else ("bfloat16", f"{where}: default"))
-        mcfg = read_hf_config(path, dtype=dtype)
-    tok = pathlib.Path(path) / "tokenizer.json"
-    return ModelChoice(mcfg, f"checkpoint {path} ({'jlco Orbax' if kind == 'orbax' else 'HF'}): "
-                             f"dtype {mcfg.dtype} ({why})", tok if tok.is_file() else None)
-
-
-def _random_choice(base) -> ModelChoice:
-    """The random-weight model: the config's own when small enough to build, else
-    configs/tiny.py's model section (its positions raised to the config's context)."""
-    from jlco.config import load_config
-    from jlco.planning.params import weight_bytes
-    m, cfg_name = base.model, base.name
-    width = 4 if (FLAGS.dtype or m.dtype) == "float32" else 2
-    nbytes = weight_bytes(m, ep=1, weight_format="bf16").params_total * width
-    own = nbytes <= RANDOM_MODEL_MAX_BYTES
-    if own:
-        what = f"the {cfg_name} config's model"
-    else:
-        tiny = load_config(_TINY).model
-        m = dataclasses.replace(tiny, max_position_embeddings=max(
-            tiny.max_position_embeddings, base.engine.max_context_len))
-        what = (f"configs/tiny.py's model section: the {cfg_name} config's model has "
-                f"{nbytes / 2**30:.0f} GiB of weights, too big to build with random ones; "
-                f"its engine context ({base.engine.max_context_len}) and cache settings "
-                f"(offload {'on' if base.cache.offload else 'off'}, kv_format "
-                f"{base.cache.kv_format}) are kept")
-    dtype_why = f"{cfg_name} model.dtype" if own else "configs/tiny.py model.dtype"
-    if FLAGS.dtype:
-        m, dtype_why = dataclasses.replace(m, dtype=FLAGS.dtype), "--dtype"
-    return ModelChoice(m, f"no --checkpoint: using a small RANDOM-WEIGHT model ({what}; seed "
-                          f"{FLAGS.seed}; dtype {m.dtype} from {dtype_why}); outputs are "
-                          "meaningless tokens", None, own)
-
-
-def _load_weights(choice: ModelChoice):
-    """(model config, model): the checkpoint's weights, or random ones."""
-    if FLAGS.checkpoint is None:
-        from flax import nnx
-
-        from jlco.model.decoder import DeepseekV32
-        return choice.model, DeepseekV32(choice.model, rngs=nnx.Rngs(FLAGS.seed))
-    from jlco.checkpoint.load import load_model
-    mcfg, model, info = load_model(FLAGS.checkpoint, {"dtype": choice.model.dtype},
-                                   verify=FLAGS.verify_checkpoint)
-    if FLAGS.num_draft_tokens and not info["has_mtp"]:
-        raise ValueError(f"--num_draft_tokens={FLAGS.num_draft_tokens}: MTP is unavailable, "
-                         f"checkpoint {FLAGS.checkpoint} has no MTP layer (model.layers."
-                         f"{mcfg.num_hidden_layers}.*); checkpoints saved by transformers carry none")
-    return mcfg, model
-
-
 # ----------------------------------------------------------------------------- engine
 
 
@@ -379,15 +297,16 @@ def _report(engine, timing: dict) -> None:
 
 def _prepare():
     """Everything that can fail on bad input, cheapest first: (cfg, model, prompts)."""
+    from jlco.checkpoint import choice as choice_lib
     from jlco.config import load_config
     prompts = _prompts_from_flags()
     explicit = FLAGS.config is not None
-    base = load_config(FLAGS.config or _TINY)
+    base = load_config(FLAGS.config or choice_lib.TINY_CONFIG)
     if FLAGS.checkpoint is not None:
-        choice = _checkpoint_choice(FLAGS.checkpoint)
+        choice = choice_lib.checkpoint_choice(FLAGS.checkpoint, FLAGS.dtype)
         name = pathlib.Path(FLAGS.checkpoint).name or base.name
     else:
-        choice = _random_choice(base)
+        choice = choice_lib.random_choice(base, FLAGS.dtype, FLAGS.seed)
         name = base.name
     ids = _tokenize(prompts, choice.tokenizer_path, choice.model.vocab_size)
     shape = engine_shape(choice.model, base.engine, [len(p) for p in ids],
@@ -397,7 +316,9 @@ def _prepare():
                 **({"engine__attention_impl": FLAGS.impl} if FLAGS.impl else {}))
     base.replace(model=choice.model, **over)   # validate before loading any weight
     _say(choice.banner)
-    mcfg, model = _load_weights(choice)
+    mcfg, model = choice_lib.load_weights(choice, seed=FLAGS.seed,
+                                          verify=FLAGS.verify_checkpoint,
+                                          num_draft_tokens=FLAGS.num_draft_tokens)
     cfg = base.replace(model=mcfg, name=name, **over)
     _say(f"engine: {len(ids)} prompt(s), batch {cfg.engine.max_batch_size}, context "
          f"{cfg.engine.max_context_len}, offload {'on' if cfg.cache.offload else 'off'}")

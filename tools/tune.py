@@ -130,11 +130,12 @@ def candidates(base: Config, grid: dict, seed: int = 0) -> list[Config]:
 
 
 def _decode_pass(eng: Engine, work: Workload) -> dict:
-    """Decode the workload once; time only steps that admit nothing (pure decode)."""
+    """Decode the workload once; time only steps that admit and prefill nothing (pure
+    decode)."""
     reqs = [eng.submit(p, work.gen_len) for p in work.prompts]
     walls, tokens = [], 0
     while True:
-        admitting = bool(eng.scheduler.waiting)
+        admitting = bool(eng.scheduler.waiting) or eng.num_prefilling > 0
         before = sum(len(r.tokens) for r in reqs)
         t = time.perf_counter()
         if not eng.step():

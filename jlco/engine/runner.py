@@ -328,7 +328,8 @@ class ModelRunner:
         between device phases)."""
         t0 = time.perf_counter()
         if self.spec is not None:
-            out = DecodeOutput(*self.spec.step(running))
+            tok, logp, sec, drafted, accepted = self.spec.step(running)
+            out = DecodeOutput(tok, logp, sec, drafted=drafted, accepted=accepted)
             # Ran to the end: count it as device time (its host share is not separable).
             return PendingDecode(tuple(running), t0,
                                  done=dataclasses.replace(out, wait_seconds=out.seconds))

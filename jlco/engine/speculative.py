@@ -182,10 +182,12 @@ def rejection_accept(logits, drafts, keys):
     drafts. logits [s, V]: position j's sampling logits (`steps.sampling_logits`: -inf
     outside the kept set), s = n + 1; drafts int32 [n]: d_{j+1}, proposed for position
     j; keys [s, 2]: position j's key. → (tokens int32 [s], accept bool [n]): draft j+1
-    is accepted with probability p_j(d) (a uniform from the key's first half); token j <
-    n is d_{j+1} if accepted, else a draw from p_j without d (the residual, from the
-    second half); token n is a draw from p_n with the key itself (the bonus token). The
-    caller emits tokens 0..a, a = leading accepts: each is distributed as p_j."""
+    is accepted with probability p_j(d) (a uniform drawn with split(key_j)[0]); token
+    j < n is d_{j+1} if accepted, else a draw from p_j without d (the residual, drawn
+    with split(key_j)[1], independent of the uniform); token n is a draw from p_n with
+    key_n itself (the bonus token: the draw "per_token" and plain sampling make). The
+    caller emits tokens 0..a, a = leading accepts: each is distributed as p_j, and each
+    token number's key serves one emitted token (a later step starts after them)."""
     n = drafts.shape[0]
     rows = jnp.arange(n)
     split = jax.vmap(jax.random.split)(keys[:n])                          # [n, 2, 2]

@@ -45,10 +45,27 @@ def prompts():
     return [list(map(int, rng.integers(0, V, n))) for n in PROMPT_LENS]
 
 
+def _keep_finished_rows(eng):
+    """→ {request id: (MTP-layer latent rows, indexer keys)} of its slot, copied when the
+    request leaves it (offload off): a later request's install rewrites the whole slot."""
+    layer, spec, runner, kept = BASE.model.num_hidden_layers, eng.runner.spec, eng.runner, {}
+    forget = runner.forget
+
+    def keeping(request_id):
+        slots = [slot for rid, slot, _, _ in spec.draft_log if rid == request_id]
+        if slots and not runner.offload:
+            kept[request_id] = (np.asarray(runner.cache.latent[layer][slots[-1]]),
+                                np.asarray(runner.cache.index_k[layer][slots[-1]]))
+        forget(request_id)
+    runner.forget = keeping
+    return kept
+
+
 def _run(cfg, model, prompts, temperature=0.0, **kw):
     eng = Engine(cfg, model, **kw)
     if eng.runner.spec is not None:
         eng.runner.spec.draft_log = []
+        eng.finished_rows = _keep_finished_rows(eng)
     reqs = [eng.submit(p, n, temperature, seed=7) for p, n in zip(prompts, NEW_TOKENS)]
     eng.run()
     assert [r.status for r in reqs] == ["finished"] * len(reqs)
@@ -190,16 +207,17 @@ def test_mtp_drafts_match_from_scratch_mtp(model, prompts, greedy, run):
         assert d2 == int(jnp.argmax(chained[0, 0])), count
     # Random MTP weights make drafts insensitive to the attention context, so compare
     # the MTP layer's rows themselves: every position before the last step's L holds
-    # (h_p, x_{p+1})'s latent row and indexer key (the slot keeps them after finishing).
-    slot, upto, layer = log[-1][0], n_prompt + log[-1][1] - 1, BASE.model.num_hidden_layers
-    got = np.asarray(eng.runner.cache.latent[layer][slot, :upto]).view(np.float32)
+    # (h_p, x_{p+1})'s latent row and indexer key (copied when the request left its slot).
+    upto, layer = n_prompt + log[-1][1] - 1, BASE.model.num_hidden_layers
+    rows, keys = eng.finished_rows[rid]
+    got = rows[:upto].view(np.float32)
     want = np.asarray(cache.latent[layer][0, :upto]).view(np.float32)
     # f32 both sides, but the engine built these rows in batched verification steps (s_q =
     # 1 + drafts, 2 slots) and the reference in one from-scratch pass: different matmul
     # blocking and summation order; O(1) rows, so 1e-4 relative with a 1e-5 floor near zero.
     chex.assert_trees_all_close(got, want, rtol=1e-4, atol=1e-5)
-    chex.assert_trees_all_close(np.asarray(eng.runner.cache.index_k[layer][slot, :upto]),
-                                np.asarray(cache.index_k[layer][0, :upto]), rtol=1e-4, atol=1e-5)
+    chex.assert_trees_all_close(keys[:upto], np.asarray(cache.index_k[layer][0, :upto]),
+                                rtol=1e-4, atol=1e-5)
 
 
 def test_oracle_drafts_cut_steps(model, prompts, greedy):
@@ -222,13 +240,15 @@ def test_half_right_drafts(model, prompts, greedy):
 
 
 def test_sampling_draws_the_plain_engine_tokens(model, prompts, greedy):
-    """temperature > 0: each position is sampled with the request's own per-token key,
-    so with drafts equal to the plain engine's samples the same sequence comes out."""
+    """temperature > 0 with engine.spec_sampling="per_token": each position is sampled
+    with the request's own per-token key, so with drafts equal to the plain engine's
+    samples the same sequence comes out."""
     _, plain, plain_logp = _run(BASE, model, prompts, temperature=0.9)
     assert plain != greedy[1], "temperature 0.9 should leave greedy's path"
     drafter = ListDrafter(lambda req, n: plain[req.id][len(req.tokens):len(req.tokens) + n])
-    eng, toks, logps = _run(BASE.replace(engine__num_draft_tokens=3), model, prompts,
-                            temperature=0.9, drafter=drafter)
+    eng, toks, logps = _run(BASE.replace(engine__num_draft_tokens=3,
+                                         engine__spec_sampling="per_token"),
+                            model, prompts, temperature=0.9, drafter=drafter)
     assert toks == plain
     for a, b in zip(logps, plain_logp):   # f32 summation-order noise, as in _same_as
         chex.assert_trees_all_close(np.asarray(a), np.asarray(b), rtol=0, atol=1e-5)

@@ -105,7 +105,7 @@ def test_cli_end_to_end(tmp_path):
     ref, (unsup, run) = report["reference"], report["trials"]   # unsupported: not a trial
     assert ref["status"] == "ok" and ref["hit_rate"] is None
     assert run["status"] == "ok" and run["tokens_match"] is True
-    assert run["decode_tokens"] == 2 * 4 and run["decode_steps"] == 4  # 6 - prefill - admit step
+    assert run["decode_tokens"] == 2 * 5 and run["decode_steps"] == 5  # 6 - the prefill step
     assert run["repeats_agree"] and len(run["throughput_runs"]) == 2
     assert run["throughput_tok_s"] > 0 and 0 < run["tpot_ms_mean"] <= run["tpot_ms_p90"]
     assert 0.0 <= run["hit_rate"] <= 1.0
