@@ -1,0 +1,303 @@
+"""`python -m jlco.serve`: an OpenAI-compatible HTTP server over the engine.
+
+    python -m jlco.serve --config configs/128k.py [--checkpoint DIR] [--port N]
+        [--offload/--nooffload] [--override section.field=value ...] [--api_key KEY]
+
+Without --checkpoint it serves a small RANDOM-WEIGHT model with the config's context
+and cache settings and says so (the real 671B shapes need a checkpoint and a mesh); its
+tokenizer is byte-level, so text in gives text out. The port opens at once (GET /health
+answers 503 while the model loads and compiles) and a readiness line follows the
+banner, which prints the memory plan: device bytes (weights, cache), the host pool, and
+the largest batch with and without offload at the same device budget. SIGTERM or SIGINT
+drains: no new requests (503), running ones finish within --grace_s, the rest are
+aborted, the host pool (its file too) is freed, exit 0. Bad flags or config values: one
+`jlco.serve: error: ...` line, exit 2. Routes and fields: jlco/server/app.py.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import logging as pylog
+import pathlib
+import sys
+import threading
+import time
+
+from absl import app, flags, logging
+
+from jlco.util import cli, compile_cache
+
+FLAGS = flags.FLAGS
+PROG = "jlco.serve"
+_ROOT = pathlib.Path(__file__).resolve().parent.parent
+DEFAULT_CONFIG = _ROOT / "configs" / "128k.py"
+WARMUP_PROMPT = 48      # tokens of the warm-up request (longer than tiny's index_topk)
+
+
+def define_flags() -> None:
+    flags.DEFINE_string("config", str(DEFAULT_CONFIG), "config file (configs/*.py)")
+    flags.DEFINE_string("checkpoint", None, "HF or jlco Orbax checkpoint directory (none: a "
+                        "small random-weight model)")
+    flags.DEFINE_string("host", None, "address to bind (default serve.host: 127.0.0.1)")
+    flags.DEFINE_integer("port", None, "port (default serve.port; 0 = any free port)",
+                         lower_bound=0, upper_bound=65535)
+    flags.DEFINE_bool("offload", None, "latent cache in host memory (default: the config's)")
+    flags.DEFINE_multi_string("override", [], "section.field=value (a Python literal, or a "
+                              "string), e.g. engine.max_batch_size=8; repeatable")
+    flags.DEFINE_string("api_key", None, "require 'Authorization: Bearer KEY' on /v1 routes")
+    flags.DEFINE_string("served_model_name", None, "model id in the API (default: the "
+                        "checkpoint directory's name, or the config's name)")
+    flags.DEFINE_enum("dtype", None, ["float32", "bfloat16", "float16"], "compute dtype")
+    flags.DEFINE_integer("seed", 0, "random model's weights", lower_bound=0)
+    flags.DEFINE_bool("verify_checkpoint", True, "check Orbax leaves' sha256 sums")
+    flags.DEFINE_float("grace_s", 30.0, "on SIGTERM: seconds running requests get to finish",
+                       lower_bound=0.0)
+    flags.DEFINE_float("device_budget_gb", None, "device memory the banner plans batches "
+                       "for (default: the accelerator's limit; on CPU the bytes the "
+                       "no-offload engine needs at engine.max_batch_size)", lower_bound=0.0)
+    flags.DEFINE_bool("warmup", True, "compile with one small request before ready")
+
+
+def _say(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def parse_override(text: str) -> tuple[str, object]:
+    """'section.field=value' → ('section__field', value); value is a Python literal when
+    it parses as one, else the string."""
+    key, sep, raw = text.partition("=")
+    sec, dot, field = key.strip().partition(".")
+    if not sep or not dot or not sec or not field:
+        raise ValueError(f"--override={text!r} is invalid: allowed section.field=value, e.g. "
+                         "engine.max_batch_size=8")
+    try:
+        val = ast.literal_eval(raw.strip())
+    except (ValueError, SyntaxError):
+        val = raw.strip()
+    return f"{sec}__{field}", val
+
+
+def apply_overrides(cfg, overrides: list[str]):
+    """The config with every --override applied, or a ValueError naming the bad one."""
+    from jlco.config import Config
+    sections = {f.name: f for f in dataclasses.fields(Config) if dataclasses.is_dataclass(
+        getattr(cfg, f.name))}
+    kw = {}
+    for text in overrides:
+        key, val = parse_override(text)
+        sec, field = key.split("__", 1)
+        if sec not in sections:
+            raise ValueError(f"--override={text!r}: unknown section {sec!r}; allowed "
+                             f"{', '.join(sorted(sections))}")
+        names = [f.name for f in dataclasses.fields(getattr(cfg, sec))]
+        if field not in names:
+            raise ValueError(f"--override={text!r}: {sec} has no field {field!r}; allowed "
+                             f"{', '.join(names)}")
+        kw[key] = val
+    return cfg.replace(**kw)
+
+
+# ----------------------------------------------------------------------------- building
+
+
+def prepare():
+    """Everything that can fail on bad input, before any weight: (cfg, choice, name)."""
+    from jlco.checkpoint import choice as choice_lib
+    from jlco.config import load_config
+    base = apply_overrides(load_config(FLAGS.config), FLAGS.override)
+    if FLAGS.offload is not None:
+        base = base.replace(cache__offload=FLAGS.offload)
+    if FLAGS.host is not None:
+        base = base.replace(serve__host=FLAGS.host)
+    if FLAGS.port is not None:
+        base = base.replace(serve__port=FLAGS.port)
+    if FLAGS.checkpoint is not None:
+        choice = choice_lib.checkpoint_choice(FLAGS.checkpoint, FLAGS.dtype)
+        name = pathlib.Path(FLAGS.checkpoint).resolve().name
+    else:
+        choice = choice_lib.random_choice(base, FLAGS.dtype, FLAGS.seed)
+        name = f"jlco-random-{base.name}"
+    mpe = choice.model.max_position_embeddings
+    if base.engine.max_context_len > mpe:
+        raise ValueError(f"engine.max_context_len={base.engine.max_context_len} is invalid: "
+                         f"allowed <= the model's max_position_embeddings ({mpe})")
+    cfg = base.replace(model=choice.model, name=base.name)   # validates the joint config
+    return cfg, choice, FLAGS.served_model_name or name
+
+
+def memory_plan(cfg, weight_bytes: int) -> list[str]:
+    """The banner's memory lines: device split, host pool, largest batch with and without
+    offload at one device budget."""
+    import jax
+
+    from jlco.engine.runner import batch_for_budget, device_cache_bytes
+    from jlco.model.kv_cache import cache_layers
+    batch = cfg.engine.max_batch_size
+    dev_cache = device_cache_bytes(cfg, batch)
+    off_cfg = cfg.replace(cache__offload=False)
+    on_cfg = cfg.replace(cache__offload=True)
+    budget, why = None, ""
+    if FLAGS.device_budget_gb is not None:
+        budget, why = FLAGS.device_budget_gb * 1e9, "--device_budget_gb"
+    else:
+        stats = jax.devices()[0].memory_stats() or {}
+        if stats.get("bytes_limit"):
+            budget, why = float(stats["bytes_limit"]), f"{jax.devices()[0].device_kind} limit"
+        else:
+            budget = weight_bytes + device_cache_bytes(off_cfg, batch)
+            why = f"what offload off needs at batch {batch} (no accelerator limit on CPU)"
+    def gb(b: float) -> str:
+        return f"{b / 1e9:.3f} GB"
+    lines = [f"memory: device {gb(weight_bytes + dev_cache)} = weights {gb(weight_bytes)} + "
+             f"cache {gb(dev_cache)} (batch {batch}, context {cfg.engine.max_context_len}, "
+             f"offload {'on' if cfg.cache.offload else 'off'})"]
+    if cfg.cache.offload:
+        page, ctx = cfg.cache.page_size, cfg.engine.max_context_len
+        pool = batch * -(-ctx // page) * page * cfg.row_bytes * cache_layers(cfg)
+        lines.append(f"memory: host pool {gb(pool)} in {cfg.cache.storage} "
+                     f"({cfg.staging_capacity} hot rows per request and layer on device)")
+    b_off = batch_for_budget(off_cfg, budget, other_bytes=weight_bytes)
+    b_on = batch_for_budget(on_cfg, budget, other_bytes=weight_bytes)
+    lines.append(f"memory: device budget {gb(budget)} ({why}): largest batch {b_off} with "
+                 f"offload off, {b_on} with offload on (x{b_on / max(b_off, 1):.1f})")
+    return lines
+
+
+def build_engine(cfg, choice, state) -> None:
+    """Load weights, build the engine, warm it up and hand it to `state` (ready)."""
+    import jax
+
+    from jlco.checkpoint import choice as choice_lib
+    from jlco.engine.core import Engine
+    from jlco.server.loop import EngineLoop
+    from jlco.server.text import TextCodec
+    state.loading = "loading the model"
+    mcfg, model = choice_lib.load_weights(choice, seed=FLAGS.seed, verify=FLAGS.verify_checkpoint,
+                                          num_draft_tokens=cfg.engine.num_draft_tokens)
+    cfg = cfg.replace(model=mcfg)
+    if choice.checkpoint is not None:
+        codec = TextCodec.from_checkpoint(choice.checkpoint)
+        if codec is None:
+            _say(f"{PROG}: {choice.checkpoint} has no tokenizer.json: prompts must be token ids")
+    else:
+        codec = TextCodec.byte_level(mcfg.vocab_size)
+        _say("tokenizer: byte-level (256 byte tokens + <|endoftext|>) for the random model")
+    from flax import nnx
+    weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(model)))
+    for line in memory_plan(cfg, weights):
+        _say(line)
+    state.loading = "compiling (warm-up)"
+    engine = Engine(cfg, model)
+    if FLAGS.warmup:
+        t0 = time.perf_counter()
+        n = min(WARMUP_PROMPT, cfg.engine.max_context_len - 2)
+        engine.generate([[(7 * i) % mcfg.vocab_size for i in range(n)]], 2)
+        _say(f"warm-up: {time.perf_counter() - t0:.1f} s (prefill and decode compiled)")
+        engine.check_no_leaks()
+    state.codec, state.engine = codec, engine
+    loop = EngineLoop(engine, max_waiting=cfg.serve.max_queue,
+                      on_step=lambda eng, s: state.on_step(s))
+    loop.start()
+    state.loop = loop
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    logging.set_verbosity(logging.WARNING)
+    compile_cache.enable()
+    with cli.errors_exit(PROG, ValueError, OSError, NotImplementedError):
+        cfg, choice, name = prepare()
+    import uvicorn
+
+    from jlco.server.app import ServerState, create_app
+    _say(choice.banner)
+    state = ServerState(model_name=name, max_context_len=cfg.engine.max_context_len,
+                        api_key=FLAGS.api_key, high_watermark=cfg.serve.high_watermark)
+    fastapi_app = create_app(state)
+    step_hist = fastapi_app.state.metrics.step_time
+    state.on_step = step_hist.observe
+    failure: list[BaseException] = []
+
+    def load():
+        try:
+            build_engine(cfg, choice, state)
+            _say(f"ready: http://{cfg.serve.host}:{server.port}/v1 serving {name!r} "
+                 f"(batch {cfg.engine.max_batch_size}, context {cfg.engine.max_context_len}, "
+                 f"offload {'on' if cfg.cache.offload else 'off'}"
+                 f"{', API key required' if FLAGS.api_key else ''})")
+        except BaseException as err:   # noqa: BLE001 - reported below, server stops
+            failure.append(err)
+            server.should_exit = True
+
+    server = _Server(uvicorn.Config(fastapi_app, host=cfg.serve.host, port=cfg.serve.port,
+                                    log_level="warning", timeout_graceful_shutdown=FLAGS.grace_s,
+                                    lifespan="off"), state)
+    def started():
+        _say(f"listening: http://{cfg.serve.host}:{server.port} (loading; GET /health is 503 "
+             "until ready)")
+        threading.Thread(target=load, name="jlco-load", daemon=True).start()
+
+    server.on_started = started
+    try:
+        server.run()
+    finally:
+        if state.loop is not None:
+            aborted = state.loop.drain(FLAGS.grace_s)
+            _say(f"drained: {aborted} request(s) aborted after the {FLAGS.grace_s:g} s grace")
+        if state.engine is not None:
+            state.engine.close()   # the host pool (a "file" pool deletes its file)
+    if failure:
+        with cli.errors_exit(PROG, ValueError, OSError, NotImplementedError):
+            raise failure[0]
+    if server.started_ok is False:
+        cli.fail(PROG, f"could not listen on {cfg.serve.host}:{cfg.serve.port}", cli.FAILURE_EXIT)
+    _say("stopped")
+
+
+class _Server:
+    """uvicorn's Server, marking the state draining the moment a signal arrives (new
+    requests get 503 while open streams finish), and reporting the bound port."""
+
+    def __new__(cls, config, state):
+        import uvicorn
+
+        class Server(uvicorn.Server):
+            on_started = None
+            started_ok = None
+
+            @property
+            def port(self) -> int:
+                for srv in getattr(self, "servers", []) or []:
+                    for sock in srv.sockets:
+                        return sock.getsockname()[1]
+                return config.port
+
+            async def startup(self, sockets=None):
+                await super().startup(sockets)
+                self.started_ok = self.started
+                if self.started and self.on_started is not None:
+                    self.on_started()
+
+            def handle_exit(self, sig, frame):
+                if state.loop is not None:
+                    state.loop.draining = True
+                _say(f"{PROG}: {'SIGTERM' if sig == 15 else 'SIGINT' if sig == 2 else sig}: "
+                     "draining (new requests get 503)")
+                super().handle_exit(sig, frame)
+                # uvicorn re-raises the signal after shutdown (death by SIGTERM); a drain
+                # that completed is a clean exit: 0.
+                if hasattr(self, "_captured_signals"):
+                    self._captured_signals.clear()
+
+        return Server(config)
+
+
+if __name__ == "__main__":
+    pylog.getLogger("jlco.serve").setLevel(pylog.INFO)
+    define_flags()
+    cli.run_main(main)

@@ -1,0 +1,329 @@
+"""The HTTP face of the server: FastAPI routes over an `EngineLoop`.
+
+Routes: POST /v1/completions, POST /v1/chat/completions (needs the checkpoint's chat
+template), GET /v1/models, GET /health (200 ready; 503 loading, draining, broken, or
+host pool above `serve.high_watermark`), GET /metrics (Prometheus). Every /v1 route
+checks `Authorization: Bearer KEY` when the server has an API key. Streaming is SSE
+(`data: {json}` chunks, then `data: [DONE]`), the same text as the non-streamed response
+because both go through one `Detokenizer`. A client that disconnects aborts its request
+(its slot and pages come back at the engine's next step).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import secrets
+import time
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from jlco.server.loop import Delta, EngineLoop, Stream
+from jlco.server.metrics import ServerMetrics
+from jlco.server.protocol import (
+    ApiError,
+    SamplingRequest,
+    bad,
+    parse_chat,
+    parse_completion,
+    parse_json,
+)
+from jlco.server.text import Detokenizer, TextCodec, render_chat
+
+DISCONNECT_POLL_S = 0.5
+
+
+@dataclasses.dataclass
+class ServerState:
+    """What the routes read. `loop`/`engine` are None until the model is loaded."""
+    model_name: str
+    max_context_len: int
+    api_key: str | None = None
+    codec: TextCodec | None = None
+    loop: EngineLoop | None = None
+    engine: Any = None
+    high_watermark: float = 0.9
+    created: int = dataclasses.field(default_factory=lambda: int(time.time()))
+    loading: str = "loading the model"
+    on_step: Any = None            # called with each engine step's seconds (metrics)
+    _rng: secrets.SystemRandom = dataclasses.field(default_factory=secrets.SystemRandom)
+
+    def not_ready(self) -> str | None:
+        """Why the server cannot take requests now, or None."""
+        if self.loop is None:
+            return self.loading
+        if self.loop.broken:
+            return f"the engine failed: {self.loop.broken}"
+        if self.loop.draining:
+            return "the server is shutting down"
+        return None
+
+    def unhealthy(self) -> str | None:
+        """Why a load balancer should route elsewhere: not ready, or the host pool above
+        `serve.high_watermark` (requests sent anyway wait in the queue), or None."""
+        why = self.not_ready()
+        if why:
+            return why
+        pages = self.engine.scheduler.pages
+        if pages is not None and pages.used_pages > self.high_watermark * pages.num_pages:
+            return (f"host pool above serve.high_watermark={self.high_watermark} "
+                    f"({pages.used_pages}/{pages.num_pages} pages)")
+        return None
+
+
+def _error(err: ApiError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status)
+
+
+def create_app(state: ServerState) -> FastAPI:
+    app = FastAPI(title="jlco", docs_url=None, redoc_url=None)
+    metrics = ServerMetrics(state)
+    app.state.jlco = state
+    app.state.metrics = metrics
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_: Request, err: ApiError):
+        return _error(err)
+
+    @app.exception_handler(404)
+    async def _not_found(request: Request, _):
+        return _error(ApiError(404, f"no route {request.method} {request.url.path}"))
+
+    @app.exception_handler(405)
+    async def _bad_method(request: Request, _):
+        return JSONResponse(ApiError(405, f"method {request.method} not allowed on "
+                                          f"{request.url.path}").body(), status_code=405)
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next):
+        if state.api_key and request.url.path.startswith("/v1"):
+            given = request.headers.get("authorization", "")
+            if not secrets.compare_digest(given.encode(), f"Bearer {state.api_key}".encode()):
+                return _error(ApiError(401, "missing or wrong API key: send "
+                                            "'Authorization: Bearer <key>'"))
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health():
+        why = state.unhealthy()
+        if why:
+            return JSONResponse({"status": "unavailable", "reason": why}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{
+            "id": state.model_name, "object": "model", "created": state.created,
+            "owned_by": "jlco", "root": state.model_name, "max_model_len": state.max_context_len}]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        params = parse_completion(parse_json(await request.body()))
+        return await _serve(request, params, None, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        params, messages, add_gen = parse_chat(parse_json(await request.body()))
+        codec = state.codec
+        if codec is None or codec.chat_template is None:
+            raise ApiError(400, "this model has no chat template (the checkpoint's "
+                                "tokenizer_config.json carries none): use /v1/completions",
+                           "messages")
+        try:
+            text = render_chat(codec.chat_template, messages, add_generation_prompt=add_gen,
+                               bos_token=getattr(codec, "bos_token", None) or "",
+                               eos_token=getattr(codec, "eos_token", None) or "")
+        except ValueError as err:
+            raise ApiError(400, f"messages: {err}", "messages") from None
+        return await _serve(request, params, text, chat=True)
+
+    async def _serve(request: Request, p: SamplingRequest, chat_text: str | None, *, chat: bool):
+        why = state.not_ready()
+        if why:
+            raise ApiError(503, why)
+        if p.model is not None and p.model != state.model_name:
+            raise ApiError(404, f"The model `{p.model}` does not exist (this server serves "
+                                f"`{state.model_name}`)", "model")
+        codec = state.codec
+        text = chat_text if chat_text is not None else p.prompt_text
+        if text is not None:
+            ids = codec.encode(text) if chat_text is None else codec.encode_chat(text) \
+                if hasattr(codec, "encode_chat") else codec.encode(text)
+            if not ids:
+                raise bad("prompt", "the text encodes to no tokens")
+        else:
+            ids = p.prompt_ids
+        ctx = state.max_context_len
+        if len(ids) >= ctx:
+            raise ApiError(400, f"This model's maximum context length is {ctx} tokens. However, "
+                                f"your prompt has {len(ids)} tokens: shorten it.", "prompt")
+        max_new = p.max_tokens if p.max_tokens is not None else ctx - len(ids)
+        if len(ids) + max_new > ctx:
+            raise ApiError(400, f"This model's maximum context length is {ctx} tokens. However, "
+                                f"you requested {len(ids) + max_new} tokens ({len(ids)} in the "
+                                f"prompt, {max_new} for the completion): reduce the prompt or "
+                                "max_tokens.", "max_tokens" if p.max_tokens else "prompt")
+        stops = set(p.stop_token_ids)
+        if not p.ignore_eos and codec is not None and codec.eos_token_id is not None:
+            stops.add(codec.eos_token_id)
+        seed = p.seed if p.seed is not None else state._rng.randrange(2 ** 32)
+        stream = Stream(asyncio.get_running_loop(), len(ids))
+        fut = state.loop.submit(stream, ids, max_new, temperature=p.temperature, seed=seed,
+                                stop_token_ids=sorted(stops), top_p=p.top_p, top_k=p.top_k)
+        req = await asyncio.wrap_future(fut)
+        metrics.prompt_tokens.inc(len(ids))
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}"
+        detok = Detokenizer(codec, p.stop, include_stop=p.include_stop_str_in_output)
+        gen = _generate(request, state, stream, detok, metrics)
+        if p.stream:
+            return StreamingResponse(_sse(gen, rid, p, req, state, chat, len(ids)),
+                                     media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        return await _whole(gen, rid, p, req, state, chat, len(ids))
+
+    return app
+
+
+@dataclasses.dataclass
+class Piece:
+    """Text and token ids a request produced since the last piece; `finish_reason`
+    once it ended."""
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+async def _generate(request: Request, state: ServerState, stream: Stream, detok: Detokenizer,
+                    metrics: ServerMetrics) -> AsyncIterator[Piece]:
+    """The request's output as `Piece`s; aborts the request if the client goes away or
+    the consumer stops early (a cancelled stream)."""
+    loop = state.loop
+    last_t = None
+    n_tokens = 0
+    try:
+        while True:
+            try:
+                delta: Delta = await asyncio.wait_for(stream.queue.get(), DISCONNECT_POLL_S)
+            except TimeoutError:
+                if await request.is_disconnected():
+                    return
+                continue
+            now = time.monotonic()
+            if delta.tokens:
+                if last_t is None:
+                    metrics.ttft.observe(now - stream.t_arrival)
+                    if stream.t_scheduled is not None:
+                        metrics.queue_time.observe(stream.t_scheduled - stream.t_arrival)
+                else:
+                    for _ in delta.tokens:   # a delta of k tokens: k gaps of (now-last)/k
+                        metrics.itl.observe((now - last_t) / len(delta.tokens))
+                last_t = now
+                metrics.generated_tokens.inc(len(delta.tokens))
+            if delta.error is not None:
+                raise ApiError(500, f"the engine failed while serving this request: "
+                                    f"{delta.error}")
+            text, ids = [], []
+            for tok in delta.tokens:
+                if detok.stopped:
+                    break
+                if tok == delta.stop_token and delta.finish_reason == "stop":
+                    break    # the stop token itself is not part of the text
+                ids.append(tok)
+                text.append(detok.push(tok))
+            n_tokens += len(ids)
+            if detok.stopped:
+                loop.abort(stream, "stop")
+                stream.closed = True
+                metrics.requests.labels("stop").inc()
+                metrics.e2e.observe(now - stream.t_arrival)
+                yield Piece("".join(text), ids, "stop", detok.stop_string)
+                return
+            if delta.finish_reason is not None:
+                stream.closed = True
+                text.append(detok.finish())
+                reason = "stop" if delta.finish_reason == "stop" else delta.finish_reason
+                metrics.requests.labels(reason).inc()
+                metrics.e2e.observe(now - stream.t_arrival)
+                if delta.stop_token is not None:
+                    ids.append(delta.stop_token)   # token ids include the stop token
+                yield Piece("".join(text), ids, reason, delta.stop_token)
+                return
+            if ids:
+                yield Piece("".join(text), ids)
+    finally:
+        if not stream.closed:
+            loop.abort(stream, "abort")
+            stream.closed = True
+
+
+def _usage(prompt_len: int, completion: int, req) -> dict:
+    u = {"prompt_tokens": prompt_len, "completion_tokens": completion,
+         "total_tokens": prompt_len + completion}
+    if req.num_drafted:
+        u["jlco_spec"] = {"drafted_tokens": req.num_drafted, "accepted_tokens": req.num_accepted,
+                          "acceptance": round(req.num_accepted / req.num_drafted, 4)}
+    return u
+
+
+def _choice(text: str, ids: list[int] | None, reason, stop_reason, chat: bool, *,
+            delta: bool) -> dict:
+    c: dict[str, Any] = {"index": 0}
+    if chat:
+        c["delta" if delta else "message"] = {"role": "assistant", "content": text}
+    else:
+        c["text"] = text
+        c["logprobs"] = None
+    c["finish_reason"] = reason
+    c["stop_reason"] = stop_reason
+    if ids is not None:
+        c["token_ids"] = ids
+    return c
+
+
+async def _whole(gen, rid, p: SamplingRequest, req, state: ServerState, chat: bool,
+                 prompt_len: int) -> JSONResponse:
+    text, ids, reason, stop_reason = [], [], None, None
+    async for piece in gen:
+        text.append(piece.text)
+        ids.extend(piece.token_ids)
+        reason, stop_reason = piece.finish_reason, piece.stop_reason
+    if reason is None:    # the client went away: nobody reads this
+        return JSONResponse({}, status_code=499)
+    return JSONResponse({
+        "id": rid, "object": "chat.completion" if chat else "text_completion",
+        "created": int(time.time()), "model": state.model_name,
+        "choices": [_choice("".join(text), ids if p.return_token_ids else None, reason,
+                            stop_reason, chat, delta=False)],
+        "usage": _usage(prompt_len, len(req.tokens), req)})
+
+
+async def _sse(gen, rid, p: SamplingRequest, req, state: ServerState, chat: bool,
+               prompt_len: int) -> AsyncIterator[bytes]:
+    obj = "chat.completion.chunk" if chat else "text_completion"
+    created = int(time.time())
+
+    def event(choices, usage=None) -> bytes:
+        doc = {"id": rid, "object": obj, "created": created, "model": state.model_name,
+               "choices": choices}
+        if usage is not None or p.include_usage:
+            doc["usage"] = usage
+        return f"data: {json.dumps(doc)}\n\n".encode()
+
+    try:
+        async for piece in gen:
+            yield event([_choice(piece.text, piece.token_ids if p.return_token_ids else None,
+                                 piece.finish_reason, piece.stop_reason, chat, delta=True)])
+    except ApiError as err:
+        yield f"data: {json.dumps(err.body())}\n\n".encode()
+    if p.include_usage:
+        yield event([], _usage(prompt_len, len(req.tokens), req))
+    yield b"data: [DONE]\n\n"

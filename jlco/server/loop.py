@@ -1,0 +1,204 @@
+"""The engine thread of the server: one thread owns the `Engine` (scheduler, runner, every
+device array) and steps it; asyncio handlers talk to it only through a command queue
+(submit, abort, finish) and read tokens from a per-request `Stream`.
+
+Each loop iteration: apply every queued command, run one `Engine.step()` (admission,
+one decode step queued on the device, prefill chunks while it computes, then the
+tokens), and hand each request's new tokens to its stream with
+`loop.call_soon_threadsafe`. With nothing to do the thread sleeps on the command queue.
+A step that raises fails the requests in flight with a 500 and marks the loop broken
+(health 503) rather than dying silently: nothing waits forever.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import logging
+import queue
+import threading
+import time
+import traceback
+from typing import Any, Callable
+
+from jlco.engine.scheduler import Request, RequestError
+from jlco.server.protocol import ApiError
+
+log = logging.getLogger("jlco.serve")
+
+
+@dataclasses.dataclass
+class Delta:
+    """New tokens of one request since the last delta; `finish_reason` once it ended
+    ("length", "stop", "abort"; "error" with `error` set when the engine failed)."""
+    tokens: list[int]
+    logprobs: list[float]
+    finish_reason: str | None = None
+    stop_token: int | None = None
+    error: str | None = None
+
+
+class Stream:
+    """A request's output as the handler sees it: an asyncio queue of `Delta`s filled
+    from the engine thread. Times are `time.monotonic()`."""
+
+    def __init__(self, aloop: asyncio.AbstractEventLoop, prompt_len: int):
+        self.aloop = aloop
+        self.queue: asyncio.Queue[Delta] = asyncio.Queue()
+        self.prompt_len = prompt_len
+        self.request: Request | None = None      # set by the engine thread
+        self.sent = 0                             # tokens handed over so far
+        self.t_arrival = time.monotonic()
+        self.t_scheduled: float | None = None     # admitted (prefill started)
+        self.t_first: float | None = None
+        self.closed = False
+
+    def put(self, delta: Delta) -> None:
+        self.aloop.call_soon_threadsafe(self.queue.put_nowait, delta)
+
+
+class EngineLoop:
+    """Runs `engine` on its own thread. `max_waiting`: requests allowed in the waiting
+    queue before submissions are refused with 429. `on_step(engine, seconds)`: called on
+    the engine thread after every step (metrics)."""
+
+    def __init__(self, engine, *, max_waiting: int, on_step: Callable | None = None):
+        self.engine = engine
+        self.max_waiting = max_waiting
+        self.on_step = on_step
+        self._cmds: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[int, Stream] = {}
+        self.draining = False
+        self.broken: str | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="jlco-engine", daemon=True)
+        self.steps = 0
+
+    def start(self) -> None:
+        self._thread.start()
+
+    # ---- called from the asyncio side -----------------------------------------------
+    def submit(self, stream: Stream, prompt: list[int], max_new_tokens: int, **sampling: Any
+               ) -> concurrent.futures.Future:
+        """Queue a request for the engine thread → a future resolved with the Request once
+        it is queued, or with an ApiError (400 bad field, 429 queue full, 503 draining or
+        broken)."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        if self.broken:
+            fut.set_exception(ApiError(503, f"the engine failed and serves no more requests: "
+                                            f"{self.broken}"))
+        elif self.draining:
+            fut.set_exception(ApiError(503, "the server is shutting down"))
+        else:
+            self._cmds.put(("submit", fut, stream, prompt, max_new_tokens, sampling))
+        return fut
+
+    def abort(self, stream: Stream, reason: str = "abort") -> None:
+        """End a request early ("abort": client gone; "stop": a stop string matched)."""
+        self._cmds.put(("finish", stream, reason))
+
+    @property
+    def num_streams(self) -> int:
+        return len(self._streams)
+
+    def drain(self, grace_s: float) -> int:
+        """Stop admitting, let running requests finish for up to `grace_s` seconds, abort
+        what is left, stop the thread → how many requests were aborted."""
+        self.draining = True
+        deadline = time.monotonic() + grace_s
+        while self._streams and time.monotonic() < deadline and not self.broken \
+                and self._thread.is_alive():
+            time.sleep(0.05)
+        left = len(self._streams)
+        self._cmds.put(("abort_all",))
+        self._stop.set()
+        self._cmds.put(("wake",))
+        self._thread.join(timeout=max(5.0, grace_s))
+        return left
+
+    # ---- the engine thread ----------------------------------------------------------
+    def _run(self) -> None:
+        engine = self.engine
+        while not self._stop.is_set():
+            idle = not engine.scheduler.has_work or self.broken
+            try:   # idle: sleep until a command comes; busy: take what is queued
+                cmd = self._cmds.get() if idle else self._cmds.get_nowait()
+            except queue.Empty:
+                cmd = None
+            while cmd is not None:
+                self._apply(cmd)
+                try:
+                    cmd = self._cmds.get_nowait()
+                except queue.Empty:
+                    cmd = None
+            if self._stop.is_set() or not engine.scheduler.has_work or self.broken:
+                continue
+            t0 = time.perf_counter()
+            try:
+                engine.step()
+            except Exception as err:   # noqa: BLE001 - the engine must not die silently
+                self._fail(err)
+                continue
+            self.steps += 1
+            self._publish()
+            if self.on_step is not None:
+                self.on_step(engine, time.perf_counter() - t0)
+
+    def _apply(self, cmd: tuple) -> None:
+        kind = cmd[0]
+        if kind == "submit":
+            _, fut, stream, prompt, max_new, sampling = cmd
+            if len(self.engine.scheduler.waiting) >= self.max_waiting:
+                fut.set_exception(ApiError(429, f"the waiting queue is full "
+                                                f"(serve.max_queue={self.max_waiting}); "
+                                                "retry later"))
+                return
+            try:
+                req = self.engine.submit(prompt, max_new, **sampling)
+            except RequestError as err:
+                fut.set_exception(ApiError(400, str(err), str(err).split("=")[0].split(":")[0]))
+                return
+            stream.request = req
+            self._streams[req.id] = stream
+            fut.set_result(req)
+        elif kind == "finish":
+            _, stream, reason = cmd
+            req = stream.request
+            if req is not None and not req.done:
+                self.engine.finish(req.id, reason)
+                self._publish_one(req.id, stream)
+        elif kind == "abort_all":
+            for rid, stream in list(self._streams.items()):
+                if not stream.request.done:
+                    self.engine.abort(rid)
+                self._publish_one(rid, stream)
+
+    def _publish(self) -> None:
+        for rid, stream in list(self._streams.items()):
+            self._publish_one(rid, stream)
+
+    def _publish_one(self, rid: int, stream: Stream) -> None:
+        req = stream.request
+        if stream.t_scheduled is None and req.status != "waiting":
+            stream.t_scheduled = time.monotonic()
+        n = len(req.tokens)
+        if n > stream.sent or req.done:
+            if stream.t_first is None and n:
+                stream.t_first = time.monotonic()
+            last = req.tokens[-1] if req.tokens else None
+            stop_tok = last if req.finish_reason == "stop" and last in req.stop_token_ids \
+                else None
+            stream.put(Delta(req.tokens[stream.sent:n], req.logprobs[stream.sent:n],
+                             req.finish_reason if req.done else None, stop_tok))
+            stream.sent = n
+        if req.done:
+            del self._streams[rid]
+
+    def _fail(self, err: Exception) -> None:
+        self.broken = f"{type(err).__name__}: {err}"
+        log.error("engine step failed; failing %d request(s):\n%s", len(self._streams),
+                  traceback.format_exc())
+        for rid, stream in list(self._streams.items()):
+            stream.put(Delta([], [], "error", error=self.broken))
+            del self._streams[rid]

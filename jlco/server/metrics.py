@@ -1,0 +1,97 @@
+"""Prometheus metrics of one server (`GET /metrics`), vLLM's names with a `jlco_` prefix.
+
+Request latencies are histograms observed by the handlers as tokens reach them;
+engine-side values (queue lengths, offload counters, pool usage, speculative counts)
+are read from the engine at scrape time by a collector, so a scrape always sees one
+consistent set: `jlco_cache_hits_total + misses == jlco_cache_lookups_total` per layer.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3,
+                    0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
+
+
+class ServerMetrics:
+    """The registry and the handler-side instruments."""
+
+    def __init__(self, state):
+        """state: the server's `ServerState` (its `engine` may be None while loading)."""
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.prompt_tokens = Counter("jlco_prompt_tokens", "Prompt tokens of admitted requests",
+                                     registry=r)
+        self.generated_tokens = Counter("jlco_generated_tokens", "Tokens generated", registry=r)
+        self.requests = Counter("jlco_request_success", "Finished requests by finish reason",
+                                ["finished_reason"], registry=r)
+        self.ttft = Histogram("jlco_time_to_first_token_seconds", "Arrival to first token",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("jlco_inter_token_latency_seconds", "Between tokens of a request",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("jlco_e2e_request_latency_seconds", "Arrival to last token",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.queue_time = Histogram("jlco_request_queue_time_seconds",
+                                    "Arrival to admission (prefill start)",
+                                    buckets=_LATENCY_BUCKETS, registry=r)
+        self.step_time = Histogram("jlco_engine_step_seconds", "Wall time of an engine step",
+                                   buckets=_LATENCY_BUCKETS, registry=r)
+        r.register(_EngineCollector(state))
+
+
+class _EngineCollector:
+    """Engine state at scrape time (read from the asyncio thread: Python ints and
+    lists written by the engine thread, each read atomically)."""
+
+    def __init__(self, state):
+        self.state = state
+
+    def collect(self):
+        eng = self.state.engine
+        running = GaugeMetricFamily("jlco_requests_running", "Requests in batch slots")
+        waiting = GaugeMetricFamily("jlco_requests_waiting", "Requests queued for admission")
+        if eng is None:
+            yield from (running, waiting)
+            return
+        sched = eng.scheduler
+        running.add_metric([], sum(r is not None for r in list(sched.slots)))
+        waiting.add_metric([], len(sched.waiting))
+        yield from (running, waiting)
+        m = eng.metrics
+        if m is not None:
+            lookups = CounterMetricFamily("jlco_cache_lookups", "Hot-buffer lookups (rows)",
+                                          labels=["layer"])
+            hits = CounterMetricFamily("jlco_cache_hits", "Hot-buffer hits (rows)",
+                                       labels=["layer"])
+            snap = m.snapshot()
+            per, tot = snap["per_layer"], snap["total"]
+            for layer, (n, h) in enumerate(zip(per["lookups"], per["hits"])):
+                lookups.add_metric([str(layer)], n)
+                hits.add_metric([str(layer)], h)
+            yield lookups
+            yield hits
+            yield CounterMetricFamily("jlco_h2d_bytes", "Host-to-device latent bytes",
+                                      value=tot["h2d_bytes"])
+            yield CounterMetricFamily("jlco_d2h_bytes", "Device-to-host latent bytes",
+                                      value=tot["d2h_bytes"])
+        pages = sched.pages
+        if pages is not None:
+            row = eng.cfg.row_bytes * _cache_layers(eng.cfg)
+            page_bytes = pages.page_size * row
+            yield GaugeMetricFamily("jlco_host_pool_bytes_used", "Host pool bytes reserved",
+                                    value=pages.used_pages * page_bytes)
+            yield GaugeMetricFamily("jlco_host_pool_bytes_capacity", "Host pool bytes",
+                                    value=pages.num_pages * page_bytes)
+        spec = eng.spec_metrics
+        if spec is not None:
+            yield CounterMetricFamily("jlco_mtp_draft_tokens", "Draft tokens proposed",
+                                      value=spec.drafted)
+            yield CounterMetricFamily("jlco_mtp_accepted_tokens", "Draft tokens accepted",
+                                      value=spec.accepted)
+
+
+def _cache_layers(cfg) -> int:
+    from jlco.model.kv_cache import cache_layers
+    return cache_layers(cfg)

@@ -1,0 +1,230 @@
+"""The OpenAI-compatible request fields jlco serves, validated into plain parameters, and
+the error shape every refusal uses.
+
+Requests follow OpenAI's conventions, vLLM's where OpenAI is silent (top_k, seed,
+stop_token_ids, ignore_eos, return_token_ids, include_stop_str_in_output). A field jlco
+does not implement is accepted when its value asks for nothing (`logprobs: null`,
+`repetition_penalty: 1.0`, `n: 1`, ...) and refused otherwise, naming the field and what
+is allowed; a field nobody defines is refused too (a typo must not pass silently).
+Refusals are `ApiError`s, rendered as vLLM does:
+`{"error": {"message", "type", "param", "code"}}` with the HTTP status as `code`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+DEFAULT_MAX_TOKENS = 16        # OpenAI's (and vLLM's) default for /v1/completions
+MAX_STOP_STRINGS = 16
+
+ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
+               413: "RequestTooLargeError", 429: "TooManyRequestsError",
+               500: "InternalServerError", 503: "ServiceUnavailableError"}
+
+
+class ApiError(Exception):
+    """A refused request: HTTP `status`, a message naming the field and what is allowed,
+    and the field (`param`)."""
+
+    def __init__(self, status: int, message: str, param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": ERROR_TYPES.get(self.status, "Error"),
+                          "param": self.param, "code": self.status}}
+
+
+def bad(field: str, message: str) -> ApiError:
+    return ApiError(400, f"{field}: {message}", field)
+
+
+# Fields that ask for nothing at these values (anything else is refused: jlco cannot do it).
+_NOOP_FIELDS: dict[str, tuple] = {
+    "logprobs": (None, False), "top_logprobs": (None, 0), "echo": (False,), "n": (1,),
+    "best_of": (None, 1), "suffix": (None,), "presence_penalty": (0, 0.0),
+    "frequency_penalty": (0, 0.0), "repetition_penalty": (1, 1.0), "min_p": (0, 0.0),
+    "min_tokens": (0,), "logit_bias": (None, {}), "skip_special_tokens": (True,),
+    "spaces_between_special_tokens": (True,), "use_beam_search": (False,),
+    "length_penalty": (1, 1.0), "prompt_logprobs": (None,), "add_special_tokens": (True,),
+    "response_format": (None, {"type": "text"}), "tools": (None, []),
+    "tool_choice": (None, "none"), "parallel_tool_calls": (None, False),
+    "truncate_prompt_tokens": (None,), "priority": (0,),
+}
+_FREE_FIELDS = {"user", "request_id", "metadata", "store", "service_tier"}   # informational
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingRequest:
+    """One validated generation request (either endpoint)."""
+    prompt_text: str | None        # text to tokenize (None: prompt_ids given)
+    prompt_ids: list[int] | None
+    max_tokens: int | None         # None: up to the context limit
+    temperature: float
+    top_p: float
+    top_k: int                     # 0 = off
+    seed: int | None               # None: the server draws one
+    stop: tuple[str, ...]
+    stop_token_ids: tuple[int, ...]
+    ignore_eos: bool
+    include_stop_str_in_output: bool
+    stream: bool
+    include_usage: bool
+    return_token_ids: bool
+    model: str | None
+
+
+def parse_json(raw: bytes) -> dict:
+    """The request body as a JSON object, or a 400."""
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as err:
+        raise ApiError(400, f"request body: not valid JSON ({err})") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "request body: must be a JSON object")
+    return body
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _prompt(v: Any) -> tuple[str | None, list[int] | None]:
+    if isinstance(v, list) and len(v) == 1 and isinstance(v[0], (str, list)):
+        v = v[0]                              # a batch of one prompt
+    if isinstance(v, str):
+        if not v:
+            raise bad("prompt", "must not be empty")
+        return v, None
+    if isinstance(v, list) and v and all(_is_int(t) for t in v):
+        return None, list(v)
+    if isinstance(v, list) and len(v) > 1 and all(isinstance(p, (str, list)) for p in v):
+        raise bad("prompt", "several prompts in one request are not supported; send one "
+                            "request per prompt (requests are batched on the server)")
+    raise bad("prompt", "allowed a non-empty string or a non-empty list of token ids")
+
+
+def _common(body: dict, known: set[str]) -> dict:
+    """Checks shared by both endpoints → the SamplingRequest fields other than the prompt."""
+    for name in body:
+        if name in _NOOP_FIELDS:
+            if body[name] not in _NOOP_FIELDS[name]:
+                allowed = " or ".join(json.dumps(v) for v in _NOOP_FIELDS[name])
+                raise bad(name, f"{json.dumps(body[name])[:60]} is not supported by jlco "
+                                f"(allowed: {allowed}, or leave it out)")
+        elif name not in known and name not in _FREE_FIELDS:
+            raise bad(name, "unknown field")
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise bad("model", "must be a string")
+    temperature = body.get("temperature", 1.0)
+    if temperature is None:
+        temperature = 1.0
+    if not _is_num(temperature) or not 0.0 <= temperature <= 100.0:
+        raise bad("temperature", f"{temperature!r} is invalid: allowed a number in 0..100 "
+                                 "(0 = greedy)")
+    top_p = body.get("top_p", 1.0)
+    top_p = 1.0 if top_p is None else top_p
+    if not _is_num(top_p) or not 0.0 < top_p <= 1.0:
+        raise bad("top_p", f"{top_p!r} is invalid: allowed a number in (0, 1]")
+    top_k = body.get("top_k", 0)
+    top_k = 0 if top_k is None else top_k
+    if not _is_int(top_k) or top_k < -1:
+        raise bad("top_k", f"{top_k!r} is invalid: allowed -1 or 0 (off) or an integer >= 1")
+    seed = body.get("seed")
+    if seed is not None and (not _is_int(seed) or not 0 <= seed < 2 ** 32):
+        raise bad("seed", f"{seed!r} is invalid: allowed an integer in 0..2**32-1")
+    stop = body.get("stop")
+    stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) \
+            or len(stop) > MAX_STOP_STRINGS:
+        raise bad("stop", f"allowed a non-empty string or a list of at most {MAX_STOP_STRINGS} "
+                          "non-empty strings")
+    stop_ids = body.get("stop_token_ids") or []
+    if not isinstance(stop_ids, list) or not all(_is_int(t) and t >= 0 for t in stop_ids):
+        raise bad("stop_token_ids", "allowed a list of token ids (integers >= 0)")
+    flags = {}
+    for name in ("ignore_eos", "stream", "return_token_ids", "include_stop_str_in_output"):
+        v = body.get(name, False)
+        v = False if v is None else v
+        if not isinstance(v, bool):
+            raise bad(name, f"{v!r} is invalid: allowed true or false")
+        flags[name] = v
+    opts = body.get("stream_options")
+    include_usage = False
+    if opts is not None:
+        if not isinstance(opts, dict) or set(opts) - {"include_usage", "continuous_usage_stats"}:
+            raise bad("stream_options", "allowed an object with include_usage (bool)")
+        if not flags["stream"]:
+            raise bad("stream_options", "only allowed when stream is true")
+        include_usage = opts.get("include_usage", False)
+        if not isinstance(include_usage, bool):
+            raise bad("stream_options.include_usage", "allowed true or false")
+    return dict(model=model, temperature=float(temperature), top_p=float(top_p),
+                top_k=max(0, top_k), seed=seed, stop=tuple(stop),
+                stop_token_ids=tuple(stop_ids), include_usage=include_usage, **flags)
+
+
+def _max_tokens(body: dict, name: str, default: int | None) -> int | None:
+    v = body.get(name, default)
+    if v is None:
+        return default
+    if not _is_int(v) or v < 1:
+        raise bad(name, f"{v!r} is invalid: allowed an integer >= 1")
+    return v
+
+
+_SAMPLING = {"model", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids",
+             "ignore_eos", "stream", "stream_options", "return_token_ids",
+             "include_stop_str_in_output"}
+
+
+def parse_completion(body: dict) -> SamplingRequest:
+    """POST /v1/completions → SamplingRequest, or an ApiError naming the field."""
+    known = _SAMPLING | {"prompt", "max_tokens"}
+    if "prompt" not in body:
+        raise bad("prompt", "required: a string or a list of token ids")
+    text, ids = _prompt(body["prompt"])
+    common = _common(body, known)
+    return SamplingRequest(prompt_text=text, prompt_ids=ids,
+                           max_tokens=_max_tokens(body, "max_tokens", DEFAULT_MAX_TOKENS),
+                           **common)
+
+
+def parse_chat(body: dict) -> tuple[SamplingRequest, list[dict], bool]:
+    """POST /v1/chat/completions → (SamplingRequest without prompt, messages,
+    add_generation_prompt). `max_completion_tokens` (OpenAI's newer name) wins over
+    `max_tokens`; neither: up to the context limit."""
+    known = _SAMPLING | {"messages", "max_tokens", "max_completion_tokens",
+                         "add_generation_prompt", "chat_template_kwargs"}
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise bad("messages", "required: a non-empty list of {\"role\", \"content\"} objects")
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not m["role"]:
+            raise bad(f"messages[{i}].role", "required: a non-empty string")
+        content = m.get("content")
+        if isinstance(content, list):       # OpenAI content parts: text only
+            if not all(isinstance(p, dict) and p.get("type") == "text"
+                       and isinstance(p.get("text"), str) for p in content):
+                raise bad(f"messages[{i}].content", "allowed a string or a list of "
+                                                    "{\"type\": \"text\", \"text\"} parts")
+            msgs[i] = dict(m, content="".join(p["text"] for p in content))
+        elif not isinstance(content, str):
+            raise bad(f"messages[{i}].content", "required: a string")
+    add_gen = body.get("add_generation_prompt", True)
+    if not isinstance(add_gen, bool):
+        raise bad("add_generation_prompt", "allowed true or false")
+    if body.get("chat_template_kwargs") not in (None, {}):
+        raise bad("chat_template_kwargs", "not supported by jlco (allowed: {} or leave it out)")
+    common = _common(body, known)
+    max_tokens = _max_tokens(body, "max_completion_tokens", None) or \
+        _max_tokens(body, "max_tokens", None)
+    req = SamplingRequest(prompt_text=None, prompt_ids=None, max_tokens=max_tokens, **common)
+    return req, [dict(m) for m in msgs], add_gen
