@@ -50,7 +50,6 @@ FLAGS = flags.FLAGS
 PROG = "jlco.generate"
 DTYPES = ("float32", "bfloat16", "float16")
 MIN_CONTEXT = 64                   # smallest context bucket (fewer distinct compiled shapes)
-MIN_CHUNK = 16
 
 
 class NonFiniteOutput(RuntimeError):
@@ -219,9 +218,7 @@ def engine_shape(model, engine, lens: list[int], max_new: int, explicit: bool,
     batch = len(lens)
     if explicit and own_model:
         batch = max(batch, engine.max_batch_size)
-    chunk = min(engine.prefill_chunk, pow2_bucket(max(lens), MIN_CHUNK, engine.prefill_chunk))
-    return dict(engine__max_context_len=ctx, engine__max_batch_size=batch,
-                engine__prefill_chunk=chunk)
+    return dict(engine__max_context_len=ctx, engine__max_batch_size=batch)
 
 
 def _timing(step_s: list[float], prefill_s: float, loop_s: float, decode_tokens: int) -> dict:

@@ -252,8 +252,11 @@ def main(argv):
         if state.engine is not None:
             state.engine.close()   # the host pool (a "file" pool deletes its file)
     if failure:
-        with cli.errors_exit(PROG, ValueError, OSError, NotImplementedError):
-            raise failure[0]
+        err = failure[0]
+        if isinstance(err, (ValueError, OSError, NotImplementedError)):
+            cli.fail(PROG, cli.describe(err))
+        cli.fail(PROG, f"loading or warming up the model failed: {type(err).__name__}: "
+                       f"{cli.describe(err)}", cli.FAILURE_EXIT)
     if server.started_ok is False:
         cli.fail(PROG, f"could not listen on {cfg.serve.host}:{cfg.serve.port}", cli.FAILURE_EXIT)
     _say("stopped")

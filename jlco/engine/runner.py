@@ -34,8 +34,10 @@ from jlco.model.kv_cache import DecodeCache, cache_layers, init_cache, scan_buck
 from jlco.offload.latent import STAT_NAMES, OffloadLatent
 from jlco.offload.metrics import OffloadMetrics
 from jlco.offload.pages import PageAllocator
+from jlco.util.buckets import pow2_bucket
 
 WARMUP_QUERIES = 32   # ESS: top-k of the last 32 prefill query positions
+MIN_PIECE = 16        # smallest prefill piece shape (fewer distinct compiled shapes)
 
 
 def _chunk_rows(cfg: Config) -> int:
@@ -260,10 +262,13 @@ class ModelRunner:
         if w and self.offload:
             temp = dataclasses.replace(temp, record=jnp.full(
                 (cache_layers(cfg), 1, w, cfg.model.index_topk), -1, jnp.int32))
-        # The last w queries run as one piece so their top-k sets are recorded.
+        # The last w queries run as one piece so their top-k sets are recorded. Each
+        # piece computes a power-of-two bucket of its width (at most prefill_chunk): a
+        # short prompt does not pay for a whole chunk, and the compiled shapes stay few.
         chunk = cfg.engine.prefill_chunk
-        pieces = [(lo, min(lo + chunk, n - w), chunk) for lo in range(0, n - w, chunk)]
-        pieces += [(n - w, n, w)] if w else []
+        pieces = [(lo, min(lo + chunk, n - w)) for lo in range(0, n - w, chunk)]
+        pieces += [(n - w, n)] if w else []
+        pieces = [(lo, hi, pow2_bucket(hi - lo, MIN_PIECE, chunk)) for lo, hi in pieces]
         return PrefillJob(req, page_row, temp, np.asarray([req.prompt], np.int32), pieces)
 
     def prefill_piece(self, job: PrefillJob) -> int:

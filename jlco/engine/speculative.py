@@ -71,6 +71,7 @@ from jax.sharding import SingleDeviceSharding
 from jlco.engine import host_driven as engine_host
 from jlco.engine.steps import mask_inactive, sampling_logits
 from jlco.model.decode import _logits, prefill
+from jlco.model.kv_cache import scan_bucket
 from jlco.offload.latent import OffloadLatent
 
 
@@ -294,10 +295,14 @@ def prefill_with_mtp(model, cache, prompt: np.ndarray, lo: int, hi: int, *, chun
         follow = np.zeros((1, chunk), np.int32)
         nxt = prompt[:, start + 1:min(start + chunk + 1, n)]
         follow[:, :nxt.shape[1]] = nxt
+        # Both blocks score only the positions cached so far (bucketed), as
+        # `decode.prefill` does: the indexer's cost follows the prompt, not max_len.
+        cache = dataclasses.replace(cache, scan_len=scan_bucket(start + width, cache.max_len))
         h, cache = _main_chunk(graphdef, state, cache, jnp.asarray(piece),
                                jnp.asarray([width], jnp.int32), impl=impl)
         cache = _mtp_chunk(graphdef, state, cache, h, jnp.asarray(follow),
                            jnp.asarray([start], jnp.int32), impl=impl)
+        cache = dataclasses.replace(cache, scan_len=None)
         last_h = h[:, width - 1]
     return _logits(graphdef, state, last_h), last_h, cache
 

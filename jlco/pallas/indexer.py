@@ -323,22 +323,41 @@ def indexer_topk(q, weights, k_cache, lengths, topk, *, k_scale=None, key_format
     return select_topk(scores, topk)
 
 
+REF_LOGITS_ELEMS = 1 << 28   # f32 per-head logits the reference forms at once (1 GiB)
+
+
 def indexer_scores_ref(q, weights, k_cache, lengths, *, k_scale=None, key_format="bf16"):
-    """Plain-jnp masked scores [b, s_q, L] f32, the reference for `indexer_scores`."""
+    """Plain-jnp masked scores [b, s_q, L] f32, the reference for `indexer_scores`.
+
+    The per-head logits [b, s_q, H, keys] are formed for at most REF_LOGITS_ELEMS
+    elements at a time (key blocks): a 4096-query prefill chunk over 128K keys would
+    otherwise need tens of GB. Blocking the keys changes no reduction (those run over D
+    and H), so the scores are the same bits."""
     _validate(q, weights, k_cache, lengths, 1, k_scale, key_format)
-    s_q, length = q.shape[1], k_cache.shape[1]
+    b, s_q, heads = q.shape[:3]
+    length = k_cache.shape[1]
     cdt = _compute_dtype(q.dtype, k_cache.dtype)
     if key_format == "fp8":
         k = jax.lax.bitcast_convert_type(k_cache, jnp.float8_e4m3fn).astype(cdt)
     else:
         k = k_cache.astype(cdt)
-    logits = jnp.einsum("bthd,bsd->bths", q.astype(cdt), k,
-                        precision=jax.lax.Precision.HIGHEST,
-                        preferred_element_type=jnp.float32)
-    if key_format == "fp8":
-        logits = logits * k_scale[:, None, None, :].astype(jnp.float32)
-    scores = jnp.einsum("bths,bth->bts", jnp.maximum(logits, 0.0),
-                        weights.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+    qc, wf = q.astype(cdt), weights.astype(jnp.float32)
+
+    def block(lo, hi):
+        logits = jnp.einsum("bthd,bsd->bths", qc, k[:, lo:hi],
+                            precision=jax.lax.Precision.HIGHEST,
+                            preferred_element_type=jnp.float32)
+        if key_format == "fp8":
+            logits = logits * k_scale[:, None, None, lo:hi].astype(jnp.float32)
+        return jnp.einsum("bths,bth->bts", jnp.maximum(logits, 0.0), wf,
+                          precision=jax.lax.Precision.HIGHEST)
+
+    step = max(1024, REF_LOGITS_ELEMS // max(1, b * s_q * heads))
+    if step >= length:
+        scores = block(0, length)
+    else:
+        scores = jnp.concatenate([block(lo, min(lo + step, length))
+                                  for lo in range(0, length, step)], axis=-1)
     p = lengths.astype(jnp.int32)[:, None, None] - s_q + jnp.arange(s_q)[None, :, None]
     visible = jnp.arange(length)[None, None, :] <= p
     return jnp.where(visible, scores, _NEG_INF)

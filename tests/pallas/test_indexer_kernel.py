@@ -135,3 +135,15 @@ def test_block_shapes_do_not_change_scores(style, blocks):
     # interpret-mode kernel vs jnp reference, f32 throughout: only the summation order over
     # tiles (multi-step programs, split head blocks) differs.
     chex.assert_trees_all_close(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("key_format", ["bf16", "fp8"])
+def test_reference_key_blocks_give_the_same_bits(monkeypatch, key_format):
+    # The reference forms the per-head logits a key block at a time when they would be
+    # large; blocking keys changes no reduction, so the scores must be bit-identical.
+    q, w, k, scale = _inputs(3, b=2, s_q=4, h=8, d=32, length=3000, key_format=key_format)
+    lengths = jnp.asarray([3000, 1700], jnp.int32)
+    whole = ix.indexer_scores_ref(q, w, k, lengths, k_scale=scale, key_format=key_format)
+    monkeypatch.setattr(ix, "REF_LOGITS_ELEMS", 2 * 4 * 8 * 1024)   # blocks of 1024 keys
+    blocked = ix.indexer_scores_ref(q, w, k, lengths, k_scale=scale, key_format=key_format)
+    chex.assert_trees_all_equal(blocked, whole)
