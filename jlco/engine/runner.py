@@ -109,6 +109,11 @@ def batch_for_budget(cfg: Config, device_bytes: float, *, other_bytes: float = 0
     return max(0, int((device_bytes - other_bytes - fixed) // (per_slot + other_bytes_per_slot)))
 
 
+# A prefill's first token, compiled once (called eagerly, `sample_rows`' lax.cond would be
+# traced and compiled again for every request).
+_sample_first = jax.jit(steps.sample_rows)
+
+
 def sample_key(seed: int, count: int) -> np.ndarray:
     """The sampling key of a request's token number `count` (0 = the prefill's token):
     one stream per request, independent of batch and slot."""
@@ -290,7 +295,7 @@ class ModelRunner:
             self.cache, fetched = self._jit_warm_up(self.cache, jnp.int32(req.slot),
                                                     job.temp.record[:, 0])
             self.warmup_rows += int(fetched)
-        tok, logp = steps.sample_rows(
+        tok, logp = _sample_first(
             job.logits[None, 0].astype(jnp.float32), jnp.asarray([req.temperature], jnp.float32),
             sample_key(req.seed, 0)[None], jnp.asarray([req.top_p], jnp.float32),
             jnp.asarray([req.top_k], jnp.int32))
