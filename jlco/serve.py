@@ -197,7 +197,7 @@ def build_engine(cfg, choice, state) -> None:
         engine.check_no_leaks()
     state.codec, state.engine = codec, engine
     loop = EngineLoop(engine, max_waiting=cfg.serve.max_queue,
-                      on_step=lambda eng, s: state.on_step(s))
+                      on_step=state.on_step)
     loop.start()
     state.loop = loop
 
@@ -219,8 +219,7 @@ def main(argv):
     state = ServerState(model_name=name, max_context_len=cfg.engine.max_context_len,
                         api_key=FLAGS.api_key, high_watermark=cfg.serve.high_watermark)
     fastapi_app = create_app(state)
-    step_hist = fastapi_app.state.metrics.step_time
-    state.on_step = step_hist.observe
+    state.on_step = fastapi_app.state.metrics.observe_step
     failure: list[BaseException] = []
 
     def load():

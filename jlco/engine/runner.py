@@ -114,6 +114,16 @@ def batch_for_budget(cfg: Config, device_bytes: float, *, other_bytes: float = 0
 _sample_first = jax.jit(steps.sample_rows)
 
 
+@jax.jit
+def _oldest_first(record, w):
+    """The recorded top-k of a last prefill piece [L, bucket, k] whose first w queries are
+    real: those w last (oldest first), the padding queries before them as -1 (no lookups),
+    so the warm-up stamps query j at step - w + j whatever the bucket."""
+    bucket = record.shape[1]
+    real = jnp.where((jnp.arange(bucket) < w)[None, :, None], record, -1)
+    return jnp.roll(real, bucket - w, axis=1)
+
+
 def sample_key(seed: int, count: int) -> np.ndarray:
     """The sampling key of a request's token number `count` (0 = the prefill's token):
     one stream per request, independent of batch and slot."""
@@ -264,16 +274,19 @@ class ModelRunner:
         cfg, n = self.cfg, len(req.prompt)
         temp = init_cache(cfg, batch=1, max_len=self.max_len)
         w = min(self.warmup_queries, n)
-        if w and self.offload:
-            temp = dataclasses.replace(temp, record=jnp.full(
-                (cache_layers(cfg), 1, w, cfg.model.index_topk), -1, jnp.int32))
-        # The last w queries run as one piece so their top-k sets are recorded. Each
-        # piece computes a power-of-two bucket of its width (at most prefill_chunk): a
+        # Each piece computes a power-of-two bucket of its width (at most prefill_chunk): a
         # short prompt does not pay for a whole chunk, and the compiled shapes stay few.
+        # The last w queries run as one piece (its bucket: the recorded top-k sets have
+        # the piece's shape) so their top-k sets are recorded for the warm-up.
         chunk = cfg.engine.prefill_chunk
-        pieces = [(lo, min(lo + chunk, n - w)) for lo in range(0, n - w, chunk)]
-        pieces += [(n - w, n)] if w else []
-        pieces = [(lo, hi, pow2_bucket(hi - lo, MIN_PIECE, chunk)) for lo, hi in pieces]
+        pieces = [(lo, min(lo + chunk, n - w), pow2_bucket(min(chunk, n - w - lo), MIN_PIECE,
+                                                           chunk))
+                  for lo in range(0, n - w, chunk)]
+        if w:
+            pieces.append((n - w, n, pow2_bucket(w, MIN_PIECE)))
+            if self.offload:
+                temp = dataclasses.replace(temp, record=jnp.full(
+                    (cache_layers(cfg), 1, pieces[-1][2], cfg.model.index_topk), -1, jnp.int32))
         return PrefillJob(req, page_row, temp, np.asarray([req.prompt], np.int32), pieces)
 
     def prefill_piece(self, job: PrefillJob) -> int:
@@ -292,8 +305,9 @@ class ModelRunner:
         req, n = job.req, len(job.req.prompt)
         self.install(job.temp, req.slot, n, job.page_row)
         if job.temp.record is not None and self.offload:
+            w = job.pieces[-1][1] - job.pieces[-1][0]
             self.cache, fetched = self._jit_warm_up(self.cache, jnp.int32(req.slot),
-                                                    job.temp.record[:, 0])
+                                                    _oldest_first(job.temp.record[:, 0], jnp.int32(w)))
             self.warmup_rows += int(fetched)
         tok, logp = _sample_first(
             job.logits[None, 0].astype(jnp.float32), jnp.asarray([req.temperature], jnp.float32),

@@ -4,6 +4,8 @@ path cannot hide its cost), time spent waiting on fetches, and prefetch usefulne
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 
 COUNTERS = ("lookups", "hits", "misses", "h2d_rows", "h2d_moved_rows", "d2h_rows",
@@ -20,6 +22,9 @@ class OffloadMetrics:
         if not isinstance(row_bytes, int) or row_bytes <= 0:
             raise ValueError(f"OffloadMetrics: row_bytes={row_bytes!r} is invalid: allowed a positive integer")
         self.num_layers, self.row_bytes = num_layers, row_bytes
+        # A server scrapes from another thread: snapshots never see a half-made update
+        # (hits + misses == lookups in every snapshot).
+        self._lock = threading.Lock()
         self.reset()
 
     def reset(self) -> None:
@@ -35,12 +40,19 @@ class OffloadMetrics:
         vals = dict(lookups=lookups, hits=hits, misses=misses, h2d_rows=h2d_rows,
                     h2d_moved_rows=h2d_moved_rows, d2h_rows=d2h_rows,
                     prefetch_used=prefetch_used, prefetch_unused=prefetch_unused)
+        vals = {k: int(np.sum(np.asarray(v))) for k, v in vals.items()}
         for k, v in vals.items():
-            v = int(np.sum(np.asarray(v)))
             if v < 0:
                 raise ValueError(f"OffloadMetrics.update: {k}={v} is invalid: allowed >= 0")
-            self._c[k][layer] += v
-        self._wait[layer] += float(fetch_wait_s)
+        with self._lock:
+            for k, v in vals.items():
+                self._c[k][layer] += v
+            self._wait[layer] += float(fetch_wait_s)
+
+    def total_fetch_wait_s(self) -> float:
+        """Seconds spent waiting on fetches, all layers."""
+        with self._lock:
+            return float(self._wait.sum())
 
     def record_fetch(self, layer: int, res, stats) -> None:
         """Counts of one `resolve` + fetch (Resolution, FetchStats)."""
@@ -56,11 +68,16 @@ class OffloadMetrics:
 
     def snapshot(self) -> dict:
         """Plain-Python dict: per-layer lists, totals, bytes and hit rates."""
-        per = {k: v.tolist() for k, v in self._c.items()}
-        per["h2d_bytes"] = (self._c["h2d_rows"] * self.row_bytes).tolist()
-        per["h2d_moved_bytes"] = (self._c["h2d_moved_rows"] * self.row_bytes).tolist()
-        per["d2h_bytes"] = (self._c["d2h_rows"] * self.row_bytes).tolist()
-        per["fetch_wait_s"] = self._wait.tolist()
-        per["hit_rate"] = [self.hit_rate(i) for i in range(self.num_layers)]
-        total = {k: (sum(v) if k != "hit_rate" else self.hit_rate()) for k, v in per.items()}
+        with self._lock:
+            c = {k: v.copy() for k, v in self._c.items()}
+            wait = self._wait.copy()
+        per = {k: v.tolist() for k, v in c.items()}
+        per["h2d_bytes"] = (c["h2d_rows"] * self.row_bytes).tolist()
+        per["h2d_moved_bytes"] = (c["h2d_moved_rows"] * self.row_bytes).tolist()
+        per["d2h_bytes"] = (c["d2h_rows"] * self.row_bytes).tolist()
+        per["fetch_wait_s"] = wait.tolist()
+        per["hit_rate"] = [h / n if n else float("nan") for h, n in zip(per["hits"], per["lookups"])]
+        looked = sum(per["lookups"])
+        total = {k: sum(v) for k, v in per.items() if k != "hit_rate"}
+        total["hit_rate"] = sum(per["hits"]) / looked if looked else float("nan")
         return {"row_bytes": self.row_bytes, "per_layer": per, "total": total}

@@ -8,7 +8,7 @@ consistent set: `jlco_cache_hits_total + misses == jlco_cache_lookups_total` per
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3,
@@ -38,7 +38,23 @@ class ServerMetrics:
                                     buckets=_LATENCY_BUCKETS, registry=r)
         self.step_time = Histogram("jlco_engine_step_seconds", "Wall time of an engine step",
                                    buckets=_LATENCY_BUCKETS, registry=r)
+        self.fetch_wait = Histogram("jlco_fetch_wait_seconds",
+                                    "Time an engine step waited for latent rows from the host "
+                                    "pool (host-driven fetch path; the in-jit path's fetches "
+                                    "are inside the step and not separable)",
+                                    buckets=_LATENCY_BUCKETS, registry=r)
+        self._wait_seen = 0.0
+        ProcessCollector(registry=r)    # process_resident_memory_bytes etc.
         r.register(_EngineCollector(state))
+
+    def observe_step(self, engine, seconds: float) -> None:
+        """After each engine step (engine thread): step time and the step's fetch wait."""
+        self.step_time.observe(seconds)
+        m = engine.metrics
+        if m is not None:
+            total = m.total_fetch_wait_s()
+            self.fetch_wait.observe(max(0.0, total - self._wait_seen))
+            self._wait_seen = total
 
 
 class _EngineCollector:
@@ -65,13 +81,17 @@ class _EngineCollector:
                                           labels=["layer"])
             hits = CounterMetricFamily("jlco_cache_hits", "Hot-buffer hits (rows)",
                                        labels=["layer"])
-            snap = m.snapshot()
+            misses = CounterMetricFamily("jlco_cache_misses", "Hot-buffer misses (rows "
+                                         "fetched from the host pool)", labels=["layer"])
+            snap = m.snapshot()    # one consistent copy (taken under the metrics' lock)
             per, tot = snap["per_layer"], snap["total"]
-            for layer, (n, h) in enumerate(zip(per["lookups"], per["hits"])):
+            for layer, (n, h, x) in enumerate(zip(per["lookups"], per["hits"], per["misses"])):
                 lookups.add_metric([str(layer)], n)
                 hits.add_metric([str(layer)], h)
+                misses.add_metric([str(layer)], x)
             yield lookups
             yield hits
+            yield misses
             yield CounterMetricFamily("jlco_h2d_bytes", "Host-to-device latent bytes",
                                       value=tot["h2d_bytes"])
             yield CounterMetricFamily("jlco_d2h_bytes", "Device-to-host latent bytes",
@@ -84,6 +104,19 @@ class _EngineCollector:
                                     value=pages.used_pages * page_bytes)
             yield GaugeMetricFamily("jlco_host_pool_bytes_capacity", "Host pool bytes",
                                     value=pages.num_pages * page_bytes)
+            owners = set(pages.requests)
+            live = {r.id for r in list(sched.slots) if r is not None}
+            leaked = sum(len(pages.pages_of(rid)) for rid in owners - live)
+            yield GaugeMetricFamily("jlco_leaked_pages", "Host pages owned by no running "
+                                    "request (should stay 0)", value=leaked)
+            cfg = eng.cfg
+            slot_bytes = cfg.staging_capacity * cfg.row_bytes * _cache_layers(cfg)
+            yield GaugeMetricFamily("jlco_device_pool_bytes_used", "Hot-buffer bytes of the "
+                                    "slots in use", value=len(live) * slot_bytes)
+            yield GaugeMetricFamily("jlco_device_pool_bytes_capacity", "Hot-buffer bytes",
+                                    value=len(sched.slots) * slot_bytes)
+        yield CounterMetricFamily("jlco_orphans_swept", "Orphaned requests freed by the "
+                                  "lifecycle sweep", value=getattr(eng, "orphans_swept", 0))
         spec = eng.spec_metrics
         if spec is not None:
             yield CounterMetricFamily("jlco_mtp_draft_tokens", "Draft tokens proposed",

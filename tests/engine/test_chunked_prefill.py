@@ -1,0 +1,67 @@
+"""Chunked prefill interleaved with decode: a long prompt arriving costs the running
+requests at most one chunk of prompt positions per engine step, its tokens are the ones
+it gets alone, an abort mid-prefill gives everything back, and a short prompt's
+admission warm-up still fetches its top-k rows."""
+
+from __future__ import annotations
+
+import pytest
+from engine_workload import BASE
+
+from jlco.engine.core import Engine
+
+CHUNK = 16
+
+
+@pytest.fixture(scope="module")
+def cfg():
+    return BASE.replace(cache__offload=True, engine__prefill_chunk=CHUNK)
+
+
+def _tokens(n, seed):
+    return [(seed * 37 + 11 * i) % 500 for i in range(n)]
+
+
+def test_long_prompt_spends_at_most_one_chunk_per_step(cfg, model):
+    eng = Engine(cfg, model)
+    short = eng.submit(_tokens(8, 1), 30)
+    eng.step()                                    # admitted + prefilled (one piece)
+    assert short.tokens, "the short prompt's prefill ends within its first step"
+    long = eng.submit(_tokens(100, 2), 3)
+    spent, steps = [], 0
+    while not long.tokens:
+        before = sum(j.pending_cost for j in eng._jobs) if eng._jobs else None
+        n_short = len(short.tokens)
+        eng.step()
+        steps += 1
+        after = sum(j.pending_cost for j in eng._jobs) if eng._jobs else 0
+        if before is not None:
+            spent.append(before - after)
+        assert len(short.tokens) == n_short + 1, "the running request decoded every step"
+    # 100 = 68 in chunks of 16 (5 pieces) + the last 32 queries (one recorded piece)
+    assert steps >= 5 and max(spent) <= 2 * CHUNK, spent
+    eng.run()
+    eng.check_no_leaks()
+    alone = Engine(cfg, model)
+    ref = alone.generate([_tokens(100, 2)], 3)[0]
+    assert long.tokens == ref.tokens
+
+
+def test_abort_during_prefill_frees_slot_and_pages(cfg, model):
+    eng = Engine(cfg, model)
+    req = eng.submit(_tokens(120, 3), 4)
+    eng.step()
+    assert eng.num_prefilling == 1 and not req.tokens
+    eng.abort(req.id)
+    assert eng.num_prefilling == 0 and req.status == "aborted"
+    eng.check_no_leaks()
+    assert eng.scheduler.pages.used_pages == 0 and eng.scheduler.slots == [None, None]
+    # the slot is usable again
+    again = eng.generate([_tokens(20, 4)], 2)[0]
+    assert len(again.tokens) == 2
+
+
+def test_short_prompt_warm_up_fetches_its_rows(cfg, model):
+    eng = Engine(cfg, model)
+    eng.generate([_tokens(5, 5)], 2)
+    assert eng.runner.warmup_rows > 0
