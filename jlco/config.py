@@ -358,12 +358,28 @@ class EngineConfig:
 
 @dataclasses.dataclass(frozen=True)
 class ServeConfig:
-    """HTTP serving and admission watermarks (fractions of each memory pool)."""
+    """HTTP serving and admission.
+
+    max_queue:              requests allowed to wait for admission; beyond it a new
+                            request is refused (HTTP 429).
+    host_high_watermark,    fractions of the host pool's pages (offload on): when a step
+    host_low_watermark:     finds more than `high` reserved, admission pauses (requests
+                            wait; /health answers 503 so a load balancer routes
+                            elsewhere) until at most `low` are reserved again.
+    device_high_watermark,  the same over the device pool: the batch slots' hot buffers
+    device_low_watermark:   and caches (1.0 = admit while a slot is free).
+    import_ttl_s:           a prefill imported from a prefill node (PD disaggregation)
+                            that no request claims within this many seconds is freed by
+                            the lifecycle sweep (counted as an orphan).
+    """
     host: str = "127.0.0.1"
     port: int = 8000
     max_queue: int = 256
-    high_watermark: float = 0.9
-    low_watermark: float = 0.75
+    host_high_watermark: float = 0.95
+    host_low_watermark: float = 0.8
+    device_high_watermark: float = 1.0
+    device_low_watermark: float = 0.9
+    import_ttl_s: float = 60.0
 
     def __post_init__(self):
         p = "serve"
@@ -371,8 +387,12 @@ class ServeConfig:
         _check(bool(self.host.strip()), f"{p}.host", self.host, "a host name or address")
         _check(0 <= self.port <= 65535, f"{p}.port", self.port, "0..65535")
         _positive(self, p, "max_queue")
-        _check(0 < self.low_watermark < self.high_watermark <= 1.0, f"{p}.high_watermark",
-               (self.low_watermark, self.high_watermark), "0 < low_watermark < high_watermark <= 1")
+        _check(self.import_ttl_s > 0, f"{p}.import_ttl_s", self.import_ttl_s,
+               "a number of seconds > 0")
+        for pool in ("host", "device"):
+            low, high = getattr(self, f"{pool}_low_watermark"), getattr(self, f"{pool}_high_watermark")
+            _check(0 < low < high <= 1.0, f"{p}.{pool}_high_watermark", (low, high),
+                   f"0 < {pool}_low_watermark < {pool}_high_watermark <= 1")
 
 
 @dataclasses.dataclass(frozen=True)

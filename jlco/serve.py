@@ -197,6 +197,7 @@ def build_engine(cfg, choice, state) -> None:
         engine.check_no_leaks()
     state.codec, state.engine = codec, engine
     loop = EngineLoop(engine, max_waiting=cfg.serve.max_queue,
+                      import_ttl_s=cfg.serve.import_ttl_s,
                       on_step=state.on_step)
     loop.start()
     state.loop = loop
@@ -217,7 +218,7 @@ def main(argv):
     from jlco.server.app import ServerState, create_app
     _say(choice.banner)
     state = ServerState(model_name=name, max_context_len=cfg.engine.max_context_len,
-                        api_key=FLAGS.api_key, high_watermark=cfg.serve.high_watermark)
+                        api_key=FLAGS.api_key)
     fastapi_app = create_app(state)
     state.on_step = fastapi_app.state.metrics.observe_step
     failure: list[BaseException] = []

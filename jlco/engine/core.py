@@ -14,6 +14,7 @@ from typing import Iterable
 from jlco.config import Config
 from jlco.engine.runner import WARMUP_QUERIES, ModelRunner
 from jlco.engine.scheduler import Request, RequestError, Scheduler
+from jlco.engine.transfer import PrefilledRequest
 
 __all__ = ["Engine", "Request", "RequestError"]
 
@@ -28,14 +29,20 @@ class Engine:
         self.cfg = cfg
         self.runner = ModelRunner(cfg, model, impl=impl, trace_path=trace_path,
                                   warmup_queries=warmup_queries, drafter=drafter)
-        self.scheduler = Scheduler(cfg.engine.max_batch_size, cfg.engine.max_context_len,
-                                   cfg.model.vocab_size, pages=self.runner.pages)
+        sv = cfg.serve
+        self.scheduler = Scheduler(
+            cfg.engine.max_batch_size, cfg.engine.max_context_len, cfg.model.vocab_size,
+            pages=self.runner.pages,
+            host_watermarks=(sv.host_high_watermark, sv.host_low_watermark),
+            device_watermarks=(sv.device_high_watermark, sv.device_low_watermark))
         self.step_count = 0
         self.step_seconds: list[float] = []   # wall time of each decode step (one sync)
         # Host time of each step that did not overlap the device: scheduling, dispatch,
         # token bookkeeping (the step's wall time minus the time spent waiting on it).
         self.host_seconds: list[float] = []
         self._jobs: collections.deque = collections.deque()   # runner.PrefillJob, oldest first
+        self._imports: dict[int, float] = {}   # imported, unclaimed prefills: import time
+        self.orphans_swept = 0
 
     @property
     def metrics(self):
@@ -64,7 +71,85 @@ class Engine:
         stop string): slot, pages and the runner's state for it come back."""
         self.scheduler.finish(request_id, reason)
         self._jobs = collections.deque(j for j in self._jobs if j.req.id != request_id)
+        self._imports.pop(request_id, None)
         self.runner.forget(request_id)
+
+    # ---- PD disaggregation ----------------------------------------------------------
+    def export_prefill(self, prompt, max_new_tokens: int) -> PrefilledRequest:
+        """Prefill `prompt` here (a prefill node: no slot, no pages, nothing kept) and
+        return it for a decode node's `import_prefill`, which reserves room for
+        `max_new_tokens`. Invalid fields raise RequestError naming them."""
+        sched = self.scheduler
+        probe = Scheduler(1, sched.max_context_len, sched.vocab_size)
+        req = probe.add(prompt, max_new_tokens)      # the same validation as submit
+        job = self.runner.start_prefill(req, None, record=True)
+        while not job.finished:
+            self.runner.prefill_piece(job)
+        return self.runner.export_prefill(job, max_new_tokens)
+
+    def import_prefill(self, p: PrefilledRequest) -> Request:
+        """Take a request prefilled elsewhere into a free slot (its pages reserved for
+        prompt + max_new_tokens, rows installed, hot buffer warmed). It decodes once a
+        request `claim`s it; unclaimed it is freed by `sweep`. A payload that does not fit
+        this engine is a ValueError naming the tensor; no free slot or pages: RequestError
+        / HostPoolFull."""
+        p.check(self.cfg)
+        req = self.scheduler.add_running(len(p.prompt), p.max_new_tokens)
+        req.prompt = list(p.prompt)
+        try:
+            self.runner.import_prefill(req, p, self._page_row(req))
+        except Exception:
+            self.finish(req.id, "abort")
+            raise
+        self._imports[req.id] = time.monotonic()
+        return req
+
+    def claim(self, request_id: int, prompt, max_new_tokens: int, temperature: float = 0.0,
+              seed: int = 0, stop_token_ids: Iterable[int] = (), top_p: float = 1.0,
+              top_k: int = 0) -> Request:
+        """Start decoding an imported prefill with these sampling fields: its first token
+        comes from the imported hidden state, then it decodes like any request. The
+        prompt must be the imported one and max_new_tokens within the reserved room."""
+        req = self.scheduler.requests.get(request_id)
+        if req is None or request_id not in self._imports:
+            raise RequestError(f"prefill_id: no unclaimed imported prefill {request_id!r}")
+        if list(prompt) != req.prompt:
+            raise RequestError("prompt: differs from the imported prefill's prompt")
+        if max_new_tokens > req.max_new_tokens:
+            raise RequestError(f"max_new_tokens={max_new_tokens}: the import reserved room for "
+                               f"{req.max_new_tokens}")
+        # The same field checks as submit, on a throwaway scheduler.
+        checked = Scheduler(1, self.scheduler.max_context_len, self.scheduler.vocab_size).add(
+            prompt, max_new_tokens, temperature, seed, stop_token_ids, top_p=top_p, top_k=top_k)
+        for f in ("max_new_tokens", "temperature", "seed", "stop_token_ids", "top_p", "top_k"):
+            setattr(req, f, getattr(checked, f))
+        del self._imports[request_id]
+        self._append(req, *self.runner.first_token(req))
+        return req
+
+    def sweep(self, ttl_s: float) -> int:
+        """Free imported prefills nobody claimed within `ttl_s` seconds → how many (also
+        added to `orphans_swept`)."""
+        now = time.monotonic()
+        stale = [rid for rid, t in self._imports.items() if now - t > ttl_s]
+        for rid in stale:
+            del self._imports[rid]
+            self.finish(rid, "abort")
+        self.orphans_swept += len(stale)
+        return len(stale)
+
+    @property
+    def has_work(self) -> bool:
+        """A step would do something: requests waiting, prefills in progress or requests
+        decoding (an imported prefill waiting for its claim is not work)."""
+        sched = self.scheduler
+        return bool(sched.waiting) or bool(self._jobs) or any(
+            r is not None and r.tokens for r in sched.slots)
+
+    @property
+    def num_imports(self) -> int:
+        """Imported prefills waiting to be claimed."""
+        return len(self._imports)
 
     @property
     def num_prefilling(self) -> int:
@@ -88,7 +173,7 @@ class Engine:
         pending = run.dispatch(decoding) if decoding else None
         self._advance_prefills(self.cfg.engine.prefill_chunk)
         if pending is None:
-            return sched.has_work
+            return self.has_work
         t_wait = time.perf_counter()
         out = run.collect(pending)
         t_end = time.perf_counter()

@@ -29,7 +29,8 @@ from jax.sharding import SingleDeviceSharding
 from jlco.config import Config
 from jlco.engine import host_driven, steps
 from jlco.engine.scheduler import Request
-from jlco.model.decode import prefill
+from jlco.engine.transfer import PrefilledRequest
+from jlco.model.decode import _logits, prefill
 from jlco.model.kv_cache import DecodeCache, cache_layers, init_cache, scan_bucket
 from jlco.offload.latent import STAT_NAMES, OffloadLatent
 from jlco.offload.metrics import OffloadMetrics
@@ -56,6 +57,31 @@ def host_pages(cfg: Config) -> PageAllocator | None:
     return PageAllocator(cfg.engine.max_batch_size * pages_per_req, page)
 
 
+HOST_MEMORY_LIMIT = 0.95   # of physical RAM a host pool may take (vLLM's rule too)
+
+
+def physical_memory_bytes() -> int | None:
+    """This machine's RAM (None where the OS does not say)."""
+    import os
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_host_memory(cfg: Config, pool_bytes: int) -> None:
+    """Refuse a host pool in memory (not `storage="file"`) above HOST_MEMORY_LIMIT of the
+    machine's RAM: it would swap or be killed mid-run. A ValueError names the fields."""
+    ram = physical_memory_bytes()
+    if cfg.cache.storage == "file" or ram is None or pool_bytes <= HOST_MEMORY_LIMIT * ram:
+        return
+    raise ValueError(
+        f"the host pool needs {pool_bytes / 1e9:.1f} GB, above {HOST_MEMORY_LIMIT:.0%} of this "
+        f"machine's {ram / 1e9:.1f} GB of RAM: lower engine.max_batch_size "
+        f"({cfg.engine.max_batch_size}) or engine.max_context_len "
+        f"({cfg.engine.max_context_len}), or use cache.storage='file'")
+
+
 def allocate_cache(cfg: Config) -> tuple[DecodeCache, PageAllocator | None]:
     """The engine's batch cache for `cfg.engine.max_batch_size` slots and, offloaded, its
     host page allocator. Offloaded, the latent cache is a host pool per layer (in
@@ -64,6 +90,8 @@ def allocate_cache(cfg: Config) -> tuple[DecodeCache, PageAllocator | None]:
     pages = host_pages(cfg)
     if pages is None:
         return init_cache(cfg), None
+    check_host_memory(cfg, pages.num_pages * cfg.cache.page_size * cfg.row_bytes
+                      * cache_layers(cfg))
     # Host-driven: the pool is host_driven's HostLatentPool, outside the jitted cache.
     host_driven_path = host_driven.resolve_fetch_path(cfg) == "host_driven"
     batch, page = cfg.engine.max_batch_size, cfg.cache.page_size
@@ -154,6 +182,7 @@ class PrefillJob:
     pieces: list[tuple[int, int, int]]
     done_pieces: int = 0
     logits: jax.Array | None = None           # at the last prompt position so far
+    hidden: jax.Array | None = None           # its final hidden state [1, d]
 
     @property
     def finished(self) -> bool:
@@ -198,6 +227,7 @@ class ModelRunner:
         self.offload = cfg.cache.offload
         self.metrics = OffloadMetrics(cache_layers(cfg), cfg.row_bytes) if self.offload else None
         self.warmup_rows = 0   # rows fetched by admission warm-ups (all layers)
+        self._imported: dict[int, tuple] = {}   # unclaimed imports: (payload, page row)
         self.cache, self.pages = allocate_cache(cfg)
         # Positions cached per slot, mirrored on the host so choosing a step's indexer
         # scan bucket (`kv_cache.scan_bucket`) needs no device read.
@@ -265,7 +295,8 @@ class ModelRunner:
         return self.jit(steps.warm_up, 0, ("cache", "dev"))
 
     # ---- prefill ------------------------------------------------------------------
-    def start_prefill(self, req: Request, page_row: np.ndarray | None) -> PrefillJob:
+    def start_prefill(self, req: Request, page_row: np.ndarray | None, *,
+                      record: bool = False) -> PrefillJob:
         """A chunked prefill of `req.prompt` for slot `req.slot` (offloaded: into the host
         pages `page_row`); advance it with `prefill_piece`, end it with `finish_prefill`.
         Its pieces are the same whatever else runs: chunk shapes change float reduction
@@ -284,7 +315,7 @@ class ModelRunner:
                   for lo in range(0, n - w, chunk)]
         if w:
             pieces.append((n - w, n, pow2_bucket(w, MIN_PIECE)))
-            if self.offload:
+            if self.offload or record:
                 temp = dataclasses.replace(temp, record=jnp.full(
                     (cache_layers(cfg), 1, pieces[-1][2], cfg.model.index_topk), -1, jnp.int32))
         return PrefillJob(req, page_row, temp, np.asarray([req.prompt], np.int32), pieces)
@@ -293,8 +324,8 @@ class ModelRunner:
         """Run the job's next piece (queued on the device, no sync) → its cost in prompt
         positions computed (the piece's padded width)."""
         lo, hi, chunk = job.pieces[job.done_pieces]
-        job.logits, _, job.temp = self._prefill_piece(job.req, job.temp, job.tokens, lo, hi,
-                                                      chunk)
+        job.logits, job.hidden, job.temp = self._prefill_piece(job.req, job.temp, job.tokens,
+                                                               lo, hi, chunk)
         job.done_pieces += 1
         return chunk
 
@@ -314,6 +345,60 @@ class ModelRunner:
             sample_key(req.seed, 0)[None], jnp.asarray([req.top_p], jnp.float32),
             jnp.asarray([req.top_k], jnp.int32))
         job.temp = None
+        return int(tok[0]), float(logp[0])
+
+    # ---- PD disaggregation: a prefill leaves one engine and enters another ----------
+    def export_prefill(self, job: PrefillJob, max_new_tokens: int) -> PrefilledRequest:
+        """A finished prefill (started with record=True) as a `PrefilledRequest`."""
+        assert job.finished, "export_prefill: pieces left"
+        n, temp = len(job.req.prompt), job.temp
+        host = jax.device_get((temp.latent, temp.index_k, temp.index_scale, temp.record,
+                               job.hidden))
+        latent, keys, scales, rec, hidden = host
+        w = job.pieces[-1][1] - job.pieces[-1][0]
+        record = None if rec is None else np.asarray(
+            _oldest_first(rec[:, 0], jnp.int32(w)))[:, -w:].astype(np.int32)
+        return PrefilledRequest(
+            prompt=list(job.req.prompt), max_new_tokens=max_new_tokens,
+            latent=[np.asarray(x[0, :n]) for x in latent],
+            index_k=[np.asarray(x[0, :n]) for x in keys],
+            index_scale=None if scales is None else [np.asarray(x[0, :n]) for x in scales],
+            record=record, hidden=np.asarray(hidden[0], np.float32))
+
+    def import_prefill(self, req: Request, p: PrefilledRequest, page_row) -> None:
+        """Hold an imported prefill (checked with `p.check(cfg)`) for slot `req.slot`
+        until a request claims it (`first_token`). It is installed only then: while the
+        slot idles, decode steps write their dummy token into idle slots."""
+        self._imported[req.id] = (p, page_row)
+
+    def first_token(self, req: Request) -> tuple[int, float]:
+        """Install a claimed import in its slot as `finish_prefill` installs a local
+        prefill (offloaded: rows to its host pages, hot buffer warmed with the payload's
+        top-k sets) and sample its first token with `req`'s fields from the logits of
+        the imported final hidden state."""
+        p, page_row = self._imported.pop(req.id)
+        n = len(p.prompt)
+        temp = init_cache(self.cfg, batch=1, max_len=self.max_len)
+
+        def put(arrs, vals):
+            return tuple(a.at[0, :n].set(jnp.asarray(v)) for a, v in zip(arrs, vals))
+        temp = dataclasses.replace(
+            temp, latent=put(temp.latent, p.latent), index_k=put(temp.index_k, p.index_k),
+            index_scale=None if p.index_scale is None else put(temp.index_scale, p.index_scale),
+            lengths=jnp.full((1,), n, jnp.int32))
+        self.install(temp, req.slot, n, page_row)
+        if p.record is not None and self.offload:
+            self.cache, fetched = self._jit_warm_up(self.cache, jnp.int32(req.slot),
+                                                    jnp.asarray(p.record))
+            self.warmup_rows += int(fetched)
+        h = jnp.asarray(p.hidden[None]).astype(jnp.dtype(self.cfg.model.dtype))
+        if self.spec is not None:
+            self.spec._fresh[req.id] = h
+        logits = _logits(self.graphdef, self.state, h)
+        tok, logp = _sample_first(
+            logits[None, 0].astype(jnp.float32), jnp.asarray([req.temperature], jnp.float32),
+            sample_key(req.seed, 0)[None], jnp.asarray([req.top_p], jnp.float32),
+            jnp.asarray([req.top_k], jnp.int32))
         return int(tok[0]), float(logp[0])
 
     def prefill(self, req: Request, page_row: np.ndarray | None) -> tuple[int, float]:
@@ -420,6 +505,7 @@ class ModelRunner:
     def forget(self, request_id: int) -> None:
         """A request left its slot (finished or aborted): drop what the runner keeps for
         it (speculative decoding's pending hidden states and keys)."""
+        self._imported.pop(request_id, None)
         if self.spec is not None:
             self.spec.forget(request_id)
 

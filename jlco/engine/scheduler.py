@@ -82,9 +82,21 @@ class Scheduler:
     (None with the latent cache on device: then only slots limit admission)."""
 
     def __init__(self, num_slots: int, max_context_len: int, vocab_size: int,
-                 pages: PageAllocator | None = None):
+                 pages: PageAllocator | None = None, *,
+                 host_watermarks: tuple[float, float] | None = None,
+                 device_watermarks: tuple[float, float] | None = None):
+        """host_watermarks / device_watermarks: (high, low) fractions of the host pool's
+        pages / of the batch slots; above `high` admission pauses until usage is at most
+        `low` again (None: no watermark)."""
         if not isinstance(num_slots, int) or num_slots < 1:
             raise ValueError(f"num_slots={num_slots!r}: allowed an integer >= 1")
+        for name, marks in (("host_watermarks", host_watermarks),
+                            ("device_watermarks", device_watermarks)):
+            if marks is not None and not 0 < marks[1] < marks[0] <= 1:
+                raise ValueError(f"{name}={marks!r}: allowed (high, low) with 0 < low < "
+                                 "high <= 1")
+        self.watermarks = {"host": host_watermarks, "device": device_watermarks}
+        self.paused = {"host": False, "device": False}
         self.max_context_len = max_context_len
         self.vocab_size = vocab_size
         self.pages = pages
@@ -171,7 +183,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Admit what fits (slots, then pages), and plan this step."""
         admitted = []
-        while self.waiting and None in self.slots:
+        while self.waiting and None in self.slots and self.admission_paused() is None:
             req = self.waiting[0]
             if self.pages is not None:
                 if self.pages.pages_needed(req.context_len) > self.pages.free_pages:
@@ -182,6 +194,27 @@ class Scheduler:
             admitted.append(req)
         decodes = tuple(r for r in self.slots if r is not None and r.tokens)
         return SchedulerOutput(tuple(admitted), decodes)
+
+    def pool_usage(self) -> dict[str, float]:
+        """Fraction of each pool in use: host pages reserved (offload on), batch slots."""
+        use = {"device": sum(r is not None for r in self.slots) / len(self.slots)}
+        if self.pages is not None:
+            use["host"] = self.pages.used_pages / self.pages.num_pages
+        return use
+
+    def admission_paused(self) -> str | None:
+        """The pool ("host" or "device") whose watermark holds admission now, or None.
+        Above a pool's high watermark admission pauses; it resumes at or below low."""
+        for pool, frac in self.pool_usage().items():
+            marks = self.watermarks[pool]
+            if marks is None:
+                continue
+            high, low = marks
+            if self.paused[pool] and frac <= low:
+                self.paused[pool] = False
+            elif not self.paused[pool] and frac > high:
+                self.paused[pool] = True
+        return next((p for p in ("host", "device") if self.paused[p]), None)
 
     def append(self, req: Request, token: int, logprob: float) -> bool:
         """Record one generated token; → True when it finished the request (its slot

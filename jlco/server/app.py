@@ -1,8 +1,10 @@
 """The HTTP face of the server: FastAPI routes over an `EngineLoop`.
 
 Routes: POST /v1/completions, POST /v1/chat/completions (needs the checkpoint's chat
-template), GET /v1/models, GET /health (200 ready; 503 loading, draining, broken, or
-host pool above `serve.high_watermark`), GET /metrics (Prometheus). Every /v1 route
+template), POST /v1/internal/prefill and /v1/internal/prefilled (PD disaggregation: export a
+prefill as a safetensors payload; import one, claimed later by a completion with
+`kv_transfer_params`), GET /v1/models, GET /health (200 ready; 503 loading, draining, broken, or
+admission paused by a pool watermark), GET /metrics (Prometheus). Every /v1 route
 checks `Authorization: Bearer KEY` when the server has an API key. Streaming is SSE
 (`data: {json}` chunks, then `data: [DONE]`), the same text as the non-streamed response
 because both go through one `Detokenizer`. A client that disconnects aborts its request
@@ -22,6 +24,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from jlco.engine.scheduler import RequestError
 from jlco.server.loop import Delta, EngineLoop, Stream
 from jlco.server.metrics import ServerMetrics
 from jlco.server.protocol import (
@@ -46,7 +49,6 @@ class ServerState:
     codec: TextCodec | None = None
     loop: EngineLoop | None = None
     engine: Any = None
-    high_watermark: float = 0.9
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
     loading: str = "loading the model"
     on_step: Any = None            # called with each engine step's seconds (metrics)
@@ -63,15 +65,19 @@ class ServerState:
         return None
 
     def unhealthy(self) -> str | None:
-        """Why a load balancer should route elsewhere: not ready, or the host pool above
-        `serve.high_watermark` (requests sent anyway wait in the queue), or None."""
+        """Why a load balancer should route elsewhere: not ready, or admission paused by a
+        pool watermark (`serve.host_high_watermark` / `device_high_watermark`; requests
+        sent anyway wait in the queue), or None."""
         why = self.not_ready()
         if why:
             return why
-        pages = self.engine.scheduler.pages
-        if pages is not None and pages.used_pages > self.high_watermark * pages.num_pages:
-            return (f"host pool above serve.high_watermark={self.high_watermark} "
-                    f"({pages.used_pages}/{pages.num_pages} pages)")
+        sched = self.engine.scheduler
+        for pool, paused in list(sched.paused.items()):
+            if paused:
+                high, low = sched.watermarks[pool]
+                use = sched.pool_usage().get(pool, 0.0)
+                return (f"admission paused: the {pool} pool is {100 * use:.0f}% used, above "
+                        f"serve.{pool}_high_watermark={high} (resumes at or below {low})")
         return None
 
 
@@ -145,6 +151,52 @@ def create_app(state: ServerState) -> FastAPI:
             raise ApiError(400, f"messages: {err}", "messages") from None
         return await _serve(request, params, text, chat=True)
 
+    @app.post("/v1/internal/prefilled")
+    async def import_prefilled(request: Request):
+        """PD disaggregation, decode side: a prefill made elsewhere (a safetensors payload,
+        `jlco.engine.transfer`) takes a slot here; a completion request claims it with
+        `"kv_transfer_params": {"prefill_id": ...}` within serve.import_ttl_s."""
+        from jlco.engine.transfer import PrefilledRequest
+        from jlco.offload.pages import HostPoolFull
+        why = state.not_ready()
+        if why:
+            raise ApiError(503, why)
+        try:
+            payload = PrefilledRequest.from_bytes(await request.body())
+        except ValueError as err:
+            raise ApiError(400, str(err), "body") from None
+
+        def take(engine):
+            try:
+                return engine.import_prefill(payload)
+            except HostPoolFull as err:
+                raise ApiError(503, f"no host pages for the import: {err}") from None
+            except RequestError as err:
+                if "no free batch slot" in str(err):
+                    raise ApiError(503, f"{err}; retry later") from None
+                raise
+        req = await asyncio.wrap_future(state.loop.call(take))
+        return {"prefill_id": f"pf-{req.id}", "prompt_tokens": len(req.prompt),
+                "max_tokens": req.max_new_tokens,
+                "expires_in_s": state.engine.cfg.serve.import_ttl_s}
+
+    @app.post("/v1/internal/prefill")
+    async def export_prefill(request: Request):
+        """PD disaggregation, prefill side: prefill {"prompt": text or ids, "max_tokens":
+        room the decode node reserves} here and return the payload for
+        /v1/internal/prefilled (application/octet-stream)."""
+        body = parse_json(await request.body())
+        if set(body) - {"prompt", "max_tokens", "model"}:
+            raise bad(sorted(set(body) - {"prompt", "max_tokens", "model"})[0], "unknown field")
+        p = parse_completion({k: v for k, v in body.items() if k != "model"})
+        why = state.not_ready()
+        if why:
+            raise ApiError(503, why)
+        ids = state.codec.encode(p.prompt_text) if p.prompt_text is not None else p.prompt_ids
+        data = await asyncio.wrap_future(state.loop.call(
+            lambda engine: engine.export_prefill(ids, p.max_tokens).to_bytes()))
+        return Response(data, media_type="application/octet-stream")
+
     async def _serve(request: Request, p: SamplingRequest, chat_text: str | None, *, chat: bool):
         why = state.not_ready()
         if why:
@@ -176,8 +228,16 @@ def create_app(state: ServerState) -> FastAPI:
             stops.add(codec.eos_token_id)
         seed = p.seed if p.seed is not None else state._rng.randrange(2 ** 32)
         stream = Stream(asyncio.get_running_loop(), len(ids))
-        fut = state.loop.submit(stream, ids, max_new, temperature=p.temperature, seed=seed,
-                                stop_token_ids=sorted(stops), top_p=p.top_p, top_k=p.top_k)
+        sampling = dict(temperature=p.temperature, seed=seed, stop_token_ids=sorted(stops),
+                        top_p=p.top_p, top_k=p.top_k)
+        if p.prefill_id is None:
+            fut = state.loop.submit(stream, ids, max_new, **sampling)
+        else:
+            def claim(engine):
+                req = engine.claim(p.prefill_id, ids, max_new, **sampling)
+                state.loop.attach(stream, req)
+                return req
+            fut = state.loop.call(claim)
         req = await asyncio.wrap_future(fut)
         metrics.prompt_tokens.inc(len(ids))
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}"

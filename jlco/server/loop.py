@@ -26,6 +26,7 @@ from jlco.engine.scheduler import Request, RequestError
 from jlco.server.protocol import ApiError
 
 log = logging.getLogger("jlco.serve")
+SWEEP_S = 1.0    # how often the lifecycle sweep runs
 
 
 @dataclasses.dataclass
@@ -63,9 +64,12 @@ class EngineLoop:
     queue before submissions are refused with 429. `on_step(engine, seconds)`: called on
     the engine thread after every step (metrics)."""
 
-    def __init__(self, engine, *, max_waiting: int, on_step: Callable | None = None):
+    def __init__(self, engine, *, max_waiting: int, on_step: Callable | None = None,
+                 import_ttl_s: float = 60.0):
         self.engine = engine
         self.max_waiting = max_waiting
+        self.import_ttl_s = import_ttl_s
+        self._last_sweep = time.monotonic()
         self.on_step = on_step
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[int, Stream] = {}
@@ -94,6 +98,22 @@ class EngineLoop:
             self._cmds.put(("submit", fut, stream, prompt, max_new_tokens, sampling))
         return fut
 
+    def call(self, fn: Callable) -> concurrent.futures.Future:
+        """Run `fn(engine)` on the engine thread between steps → a future of its result;
+        RequestError / ValueError become a 400 ApiError, anything else a 500."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        if self.broken or self.draining:
+            fut.set_exception(ApiError(503, self.broken or "the server is shutting down"))
+        else:
+            self._cmds.put(("call", fut, fn))
+        return fut
+
+    def attach(self, stream: Stream, req: Request) -> None:
+        """Publish `req`'s tokens to `stream` (engine thread; from a `call`)."""
+        stream.request = req
+        self._streams[req.id] = stream
+        self._publish_one(req.id, stream)
+
     def abort(self, stream: Stream, reason: str = "abort") -> None:
         """End a request early ("abort": client gone; "stop": a stop string matched)."""
         self._cmds.put(("finish", stream, reason))
@@ -121,9 +141,10 @@ class EngineLoop:
     def _run(self) -> None:
         engine = self.engine
         while not self._stop.is_set():
-            idle = not engine.scheduler.has_work or self.broken
-            try:   # idle: sleep until a command comes; busy: take what is queued
-                cmd = self._cmds.get() if idle else self._cmds.get_nowait()
+            idle = not engine.has_work or self.broken
+            try:   # idle: sleep until a command comes (or the next sweep); busy: take
+                   # what is queued
+                cmd = self._cmds.get(timeout=SWEEP_S) if idle else self._cmds.get_nowait()
             except queue.Empty:
                 cmd = None
             while cmd is not None:
@@ -132,7 +153,11 @@ class EngineLoop:
                     cmd = self._cmds.get_nowait()
                 except queue.Empty:
                     cmd = None
-            if self._stop.is_set() or not engine.scheduler.has_work or self.broken:
+            now = time.monotonic()
+            if now - self._last_sweep >= SWEEP_S and not self.broken:
+                self._last_sweep = now
+                self._sweep()
+            if self._stop.is_set() or not engine.has_work or self.broken:
                 continue
             t0 = time.perf_counter()
             try:
@@ -145,8 +170,27 @@ class EngineLoop:
             if self.on_step is not None:
                 self.on_step(engine, time.perf_counter() - t0)
 
+    def _sweep(self) -> None:
+        """The lifecycle sweep: imported prefills nobody claimed within import_ttl_s go."""
+        try:
+            self.engine.sweep(self.import_ttl_s)
+        except Exception as err:   # noqa: BLE001
+            self._fail(err)
+
     def _apply(self, cmd: tuple) -> None:
         kind = cmd[0]
+        if kind == "call":     # run fn(engine) here → its result (or exception) in fut
+            _, fut, fn = cmd
+            try:
+                fut.set_result(fn(self.engine))
+            except ApiError as err:
+                fut.set_exception(err)
+            except (RequestError, ValueError) as err:
+                fut.set_exception(ApiError(400, str(err)))
+            except Exception as err:   # noqa: BLE001 - the caller gets a 500, we go on
+                log.error("engine call failed:\n%s", traceback.format_exc())
+                fut.set_exception(ApiError(500, f"{type(err).__name__}: {err}"))
+            return
         if kind == "submit":
             _, fut, stream, prompt, max_new, sampling = cmd
             if len(self.engine.scheduler.waiting) >= self.max_waiting:

@@ -74,6 +74,7 @@ class SamplingRequest:
     include_usage: bool
     return_token_ids: bool
     model: str | None
+    prefill_id: int | None = None  # kv_transfer_params.prefill_id: claim an imported prefill
 
 
 def parse_json(raw: bytes) -> dict:
@@ -187,14 +188,26 @@ _SAMPLING = {"model", "temperature", "top_p", "top_k", "seed", "stop", "stop_tok
 
 def parse_completion(body: dict) -> SamplingRequest:
     """POST /v1/completions → SamplingRequest, or an ApiError naming the field."""
-    known = _SAMPLING | {"prompt", "max_tokens"}
+    known = _SAMPLING | {"prompt", "max_tokens", "kv_transfer_params"}
     if "prompt" not in body:
         raise bad("prompt", "required: a string or a list of token ids")
     text, ids = _prompt(body["prompt"])
     common = _common(body, known)
     return SamplingRequest(prompt_text=text, prompt_ids=ids,
                            max_tokens=_max_tokens(body, "max_tokens", DEFAULT_MAX_TOKENS),
-                           **common)
+                           prefill_id=_prefill_id(body.get("kv_transfer_params")), **common)
+
+
+def _prefill_id(v: Any) -> int | None:
+    """kv_transfer_params (vLLM's name for PD hand-over fields): {"prefill_id": "pf-N"}
+    as returned by POST /v1/internal/prefilled."""
+    if v is None:
+        return None
+    pid = v.get("prefill_id") if isinstance(v, dict) and set(v) == {"prefill_id"} else None
+    if not isinstance(pid, str) or not pid.startswith("pf-") or not pid[3:].isdigit():
+        raise bad("kv_transfer_params", "allowed {\"prefill_id\": \"pf-N\"} as returned by "
+                                        "POST /v1/internal/prefilled")
+    return int(pid[3:])
 
 
 def parse_chat(body: dict) -> tuple[SamplingRequest, list[dict], bool]:

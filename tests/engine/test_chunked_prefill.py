@@ -65,3 +65,12 @@ def test_short_prompt_warm_up_fetches_its_rows(cfg, model):
     eng = Engine(cfg, model)
     eng.generate([_tokens(5, 5)], 2)
     assert eng.runner.warmup_rows > 0
+
+
+def test_host_pool_above_the_machines_ram_is_refused(cfg, monkeypatch):
+    from jlco.engine import runner
+    monkeypatch.setattr(runner, "physical_memory_bytes", lambda: 1 << 16)   # 64 KiB of RAM
+    with pytest.raises(ValueError, match=r"above 95% of this machine's.*max_batch_size"):
+        runner.allocate_cache(cfg)
+    monkeypatch.setattr(runner, "physical_memory_bytes", lambda: 1 << 40)
+    runner.allocate_cache(cfg)

@@ -171,3 +171,30 @@ def test_bad_fields_name_the_field(kwargs, field):
     with pytest.raises(RequestError, match=field):
         s.add(**args)
     assert not s.has_work and s.requests == {}
+
+
+def test_host_watermark_pauses_admission_until_low():
+    # 8 pages of 4 tokens; high 0.7 (> 5.6 pages reserved), low 0.3 (<= 2.4 pages).
+    s = Scheduler(4, 64, VOCAB, pages=PageAllocator(8, 4), host_watermarks=(0.7, 0.3))
+    a, b, c = (s.add(list(range(6)), 2) for _ in range(3))   # 2 pages each
+    d = s.add([1], 1)                                          # 1 page
+    plan = s.schedule()
+    assert plan.prefills == (a, b, c) and s.admission_paused() == "host"  # 6/8 > 0.7
+    for r in plan.prefills:
+        s.append(r, 1, 0.0)
+    s.append(a, 1, 0.0)                      # a done: 4/8 reserved, still above low
+    assert s.schedule().prefills == () and s.waiting == [d]
+    s.append(b, 1, 0.0)                      # b done: 2/8 <= low: resumes
+    assert s.schedule().prefills == (d,) and s.admission_paused() is None
+    s.append(d, 1, 0.0)
+    s.append(c, 1, 0.0)
+    assert_empty(s)
+
+
+def test_device_watermark_counts_slots():
+    s = Scheduler(4, 64, VOCAB, device_watermarks=(0.5, 0.25))
+    reqs = [s.add([1, 2], 2) for _ in range(4)]
+    plan = s.schedule()                      # 3 slots: 3/4 > 0.5 pauses the 4th
+    assert plan.prefills == tuple(reqs[:3]) and s.admission_paused() == "device"
+    with pytest.raises(ValueError, match="device_watermarks"):
+        Scheduler(4, 64, VOCAB, device_watermarks=(0.2, 0.5))

@@ -260,3 +260,24 @@ def test_served_tokens_equal_generate(client):
             return [r.json()["choices"][0]["token_ids"] for r in rs]
 
     assert asyncio.run(crowd())[0] == want
+
+
+def test_pd_prefill_export_import_and_claim_over_http(client):
+    """A prefill exported by one server (here the same one) and imported through POST
+    /v1/internal/prefilled decodes to the tokens of a plain request."""
+    exp = client.post("/v1/internal/prefill", json={"prompt": PROMPT_IDS, "max_tokens": 6})
+    assert exp.status_code == 200 and exp.headers["content-type"] == "application/octet-stream"
+    imp = client.post("/v1/internal/prefilled", content=exp.content,
+                      headers={"Content-Type": "application/octet-stream"})
+    assert imp.status_code == 200, imp.text
+    info = imp.json()
+    assert info["prompt_tokens"] == len(PROMPT_IDS) and info["max_tokens"] == 6
+    body = dict(prompt=PROMPT_IDS, max_tokens=6, ignore_eos=True, return_token_ids=True)
+    claimed = complete(client, kv_transfer_params={"prefill_id": info["prefill_id"]}, **body)
+    assert claimed["choices"][0]["token_ids"] == complete(client, **body)["choices"][0]["token_ids"]
+    again = client.post("/v1/completions", json={
+        **body, "kv_transfer_params": {"prefill_id": info["prefill_id"]}})
+    assert again.status_code == 400 and "prefill_id" in again.json()["error"]["message"]
+    bad = client.post("/v1/internal/prefilled", content=b"not a payload")
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "body"
+    wait_idle(client)
