@@ -72,10 +72,11 @@ class ServerState:
         if why:
             return why
         sched = self.engine.scheduler
+        usage = sched.pool_usage()
         for pool, paused in list(sched.paused.items()):
-            if paused:
-                high, low = sched.watermarks[pool]
-                use = sched.pool_usage().get(pool, 0.0)
+            marks, use = sched.watermarks[pool], usage.get(pool, 0.0)
+            if marks is not None and (paused or use > marks[0]):
+                high, low = marks
                 return (f"admission paused: the {pool} pool is {100 * use:.0f}% used, above "
                         f"serve.{pool}_high_watermark={high} (resumes at or below {low})")
         return None

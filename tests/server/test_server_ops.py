@@ -135,3 +135,40 @@ def test_chat_completions_through_the_checkpoint_template(tmp_path):
             assert bad.status_code == 400 and bad.json()["error"]["param"] == "messages[0].content"
     finally:
         assert srv.stop() == 0, srv.stderr[-3000:]
+
+
+def test_host_watermark_soak_refuses_or_serves_every_request():
+    """Long prompts push the host pool past serve.host_high_watermark: admission pauses
+    (/health 503), the bounded queue answers 429 beyond its size, every request is either
+    served or refused, nothing crashes, and every page comes back."""
+    srv = ServerProcess(*TINY_OFFLOAD, "--override", "serve.max_queue=3",
+                        "--override", "serve.host_high_watermark=0.5",
+                        "--override", "serve.host_low_watermark=0.25")
+    try:
+        url = srv.url
+
+        async def one(ac, i):
+            r = await ac.post("/v1/completions", json={
+                "prompt": [(i + 3 * j) % 250 for j in range(300)], "max_tokens": 150,
+                "temperature": 0, "ignore_eos": True})
+            return r.status_code
+
+        async def soak():
+            async with httpx.AsyncClient(base_url=url, timeout=300) as ac:
+                tasks = [asyncio.create_task(one(ac, i)) for i in range(10)]
+                health = set()
+                while not all(t.done() for t in tasks):
+                    health.add((await ac.get("/health")).status_code)
+                    await asyncio.sleep(0.05)
+                return [t.result() for t in tasks], health
+
+        codes, health = asyncio.run(soak())
+        assert set(codes) <= {200, 429} and codes.count(200) >= 2 and 429 in codes, codes
+        assert 503 in health, health                  # paused above the watermark
+        with httpx.Client(base_url=url, timeout=60) as c:
+            assert c.get("/health").status_code == 200
+            text = c.get("/metrics").text
+        assert "jlco_host_pool_bytes_used 0.0" in text and "jlco_leaked_pages 0.0" in text
+    finally:
+        assert srv.stop() == 0, srv.stderr[-3000:]
+    assert "Traceback" not in srv.stderr
