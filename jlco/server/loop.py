@@ -56,7 +56,10 @@ class Stream:
         self.closed = False
 
     def put(self, delta: Delta) -> None:
-        self.aloop.call_soon_threadsafe(self.queue.put_nowait, delta)
+        try:
+            self.aloop.call_soon_threadsafe(self.queue.put_nowait, delta)
+        except RuntimeError:    # the event loop is closed (shutdown): nobody reads this
+            self.closed = True
 
 
 class EngineLoop:
