@@ -2,6 +2,14 @@
 plan (largest batch with and without offload, host memory, transfer check) of
 `jlco.planning.memory`, as a table or JSON.
 
+`--mesh data=D,expert=E,tensor=T` plans one device of that mesh (`jlco.planning.mesh`:
+the axes multiply, attention is data-parallel over data × expert, routed experts split
+over expert, head / FFN / vocabulary matmuls over tensor); memory is per device, the host
+pool per host of `--devices_per_host` devices. Default mesh: the config's `mesh` section
+if it declares more than one device, else data=1,expert=--ep,tensor=1 (--ep keeps its meaning and default 32;
+an explicit --ep beats the config's mesh). --ep together with --mesh is refused (exit 2):
+the expert degree has one home.
+
 Bad flags are one line on stderr and a non-zero exit, no traceback: numeric ranges
 through absl's bounds (exit 1, at parse time), an unknown --hardware or a bad --config
 as `jlco.plan: error: ...` (exit 2).
@@ -16,6 +24,7 @@ from absl import app, flags
 from jlco.config import ConfigError, load_config
 from jlco.planning.hardware import HARDWARE, get_hardware
 from jlco.planning.memory import format_table, plan
+from jlco.planning.mesh import MeshShape, config_mesh, parse_mesh
 from jlco.planning.params import WEIGHT_FORMATS
 from jlco.util import cli
 
@@ -29,11 +38,23 @@ def main(argv) -> None:
     with cli.errors_exit(PROG, ConfigError, ValueError, OSError):
         cfg = load_config(f.config)
         hw = _hardware(f.hardware)
-        p = plan(cfg, hw, ep=f.ep, context=f.context, miss_rate=f.miss_rate,
-                 accept=f.accept, weight_format=f.weight_format,
+        mesh = choose_mesh(f.mesh, f.ep, f["ep"].present, cfg)
+        p = plan(cfg, hw, mesh=mesh, devices_per_host=f.devices_per_host, context=f.context,
+                 miss_rate=f.miss_rate, accept=f.accept, weight_format=f.weight_format,
                  reserve_bytes=None if f.reserve_gb is None else f.reserve_gb * 1e9)
         text = json.dumps(p.as_dict(), indent=1, allow_nan=False) if f.json else format_table(p)
     print(text)
+
+
+def choose_mesh(text: str | None, ep: int, ep_given: bool, cfg) -> MeshShape:
+    """--mesh, else an explicit --ep, else the config's mesh, else --ep's default."""
+    if text is not None:
+        if ep_given:
+            raise ValueError(f"--ep={ep} with --mesh={text!r}: give the expert degree once, "
+                             "as --mesh ...,expert=E")
+        return parse_mesh(text)
+    from_cfg = None if ep_given else config_mesh(cfg)
+    return from_cfg or MeshShape(1, ep, 1)
 
 
 def _hardware(name: str):
@@ -48,7 +69,12 @@ def define_flags() -> None:
     flags.DEFINE_string("config", None, "python config file (configs/*.py)", required=True)
     flags.DEFINE_string("hardware", "h200", "hardware profile key: " + ", ".join(HARDWARE))
     flags.DEFINE_integer("ep", 32, "expert-parallel ranks the routed experts are split over "
-                         "(ESS: 32)", lower_bound=1)
+                         "(ESS: 32); means --mesh data=1,expert=EP; not with --mesh",
+                         lower_bound=1)
+    flags.DEFINE_string("mesh", None, "data=D,expert=E,tensor=T (axes left out are 1; "
+                        "default: the config's mesh, else data=1,expert=--ep)")
+    flags.DEFINE_integer("devices_per_host", 8, "devices per host: the host pool is per host",
+                         lower_bound=1)
     flags.DEFINE_integer("context", None, "tokens per request (default engine.max_context_len)",
                          lower_bound=1)
     flags.DEFINE_float("miss_rate", None, "fraction of top-k lookups that miss (default: "

@@ -11,6 +11,13 @@ hits / lookups summed over requests, per layer, after `--warmup` steps.
   python tools/cache_study.py --synthetic --context 8192 --topk 512 --layers 61 \
       --steps 48 --capacities 512,1024,2048,4096 --out out/cache_study
   python tools/cache_study.py --trace run.trace --capacities 2048,4096
+  python tools/cache_study.py --trace run.trace --union_window 2   # MTP s_q 2 union
+
+--union_window N adds `union`: how much of top-k x s_q the distinct ids of N consecutive
+records fill (`jlco.planning.trace.union_ratios`; engine traces are s_q = 1, so N = s_q
+emulates an MTP step whose drafts were accepted; synthetic --queries_per_step traces
+already record each step's union, use N = 1). This is where `jlco.planning.mtp`'s
+union ratio comes from.
 
 Prints a table (or the JSON with --json); --out DIR (default out/cache_study, '' = none)
 receives cache_study.json and cache_study.png.
@@ -50,6 +57,8 @@ def define_flags() -> None:
                       "1, 1.5, 2, 3, 4 x the largest step set)")
     flags.DEFINE_list("policies", list(trace.POLICIES), "policies to replay")
     flags.DEFINE_integer("warmup", 0, "steps replayed but not counted", lower_bound=0)
+    flags.DEFINE_integer("union_window", 0, "also report the union of N consecutive records' "
+                         "ids over N x s_q x topk (0 = no)", lower_bound=0)
     flags.DEFINE_bool("json", False, "print JSON instead of the table")
     flags.DEFINE_string("out", "out/cache_study", "directory for cache_study.json and a "
                         "PNG of hit rate vs capacity ('' = none)")
@@ -93,6 +102,16 @@ def _table(out: dict) -> str:
             lines.append(f"{l:>5} " + " ".join(f"{per_cap[c][l]:>8.3f}" for c in caps))
         lines.append("mean  " + " ".join(f"{np.mean(list(per_cap[c].values())):>8.3f}"
                                          for c in caps))
+    return "\n".join(lines)
+
+
+def _union_table(u: dict) -> str:
+    lines = [f"union of {u['window']} record(s) x s_q {u['queries_per_step']} over "
+             f"(that x topk {u['topk']}): per layer mean / p99 / max",
+             *(f"{l:>5} {d['mean']:>8.3f} {d['p99']:>8.3f} {d['max']:>8.3f}"
+               for l, d in u["layers"].items()),
+             f"all layers: mean {u['mean']:.3f}, mean of layer max "
+             f"{u['mean_of_layer_max']:.3f}, max {u['max']:.3f}"]
     return "\n".join(lines)
 
 
@@ -163,12 +182,15 @@ def main(argv) -> None:
         tr = _load_trace()
         caps = caps or _default_caps(tr)
         out = study(tr, caps, FLAGS.policies, FLAGS.warmup)
+        if FLAGS.union_window:
+            out["union"] = trace.union_ratios(tr, FLAGS.union_window, warmup=FLAGS.warmup)
         if FLAGS.out:
             pathlib.Path(FLAGS.out).mkdir(parents=True, exist_ok=True)
             _plot(out, pathlib.Path(FLAGS.out) / "cache_study.png")
             atomic.write_text(pathlib.Path(FLAGS.out) / "cache_study.json",
                               cli.report_json(out) + "\n")
-    print(cli.report_json(out) if FLAGS.json else _table(out))
+    text = _table(out) + ("\n" + _union_table(out["union"]) if "union" in out else "")
+    print(cli.report_json(out) if FLAGS.json else text)
 
 
 if __name__ == "__main__":

@@ -1,13 +1,22 @@
 """Memory planner: how many requests fit on one device, with and without offload.
 
-Device = weights on this rank + runtime reserve + activations + per-request caches. Per
+Device = weights on this device + runtime reserve + activations + per-request caches. Per
 request, the indexer cache always stays on device (every step scores every token); the
 latent cache is either all on device (offload off) or only its hot buffer is (offload
 on, the rest in host memory). The largest batch is the memory limit, and the admitted
 batch is that capped by `engine.max_batch_size`; both are reported. The transfer check
 asks whether one step's missed rows cross the host link within one step's compute.
 
-`python -m jlco.plan --config configs/128k.py --hardware h200 [--json]`.
+Mesh (`jlco.planning.mesh`): the weights are this device's share of a (data, expert,
+tensor) mesh; the batch is per device, i.e. the requests of its attention rank; the host
+pool is per host (the latent caches of the attention ranks on that host).
+
+Hot buffer: an explicit `cache.staging_capacity` is planned as given (what the engine
+allocates). At 0 ("the minimum") the plan sizes it from the union of the s_q query
+tokens' top-k sets (`jlco.planning.mtp.union_rows`), not top-k × s_q; the batch the
+engine's current top-k × s_q minimum allows is reported beside it.
+
+`python -m jlco.plan --config configs/128k.py --hardware h200 [--mesh data=8,expert=8]`.
 """
 
 from __future__ import annotations
@@ -18,8 +27,10 @@ import numpy as np
 
 from jlco.config import Config
 from jlco.model import kv_cache
+from jlco.planning import mtp
 from jlco.planning import throughput as sim
 from jlco.planning.hardware import HardwareProfile
+from jlco.planning.mesh import MeshShape, host_layout
 from jlco.planning.params import WeightBytes, weight_bytes
 
 
@@ -41,15 +52,26 @@ def activation_bytes_per_token(cfg: Config, context: int) -> int:
     return base + max(indexer, attention, moe, 4 * m.vocab_size)
 
 
-def per_request_bytes(cfg: Config, context: int, offload: bool) -> dict[str, int]:
+def planned_hot_rows(cfg: Config) -> int:
+    """Hot rows per request per layer the plan assumes: an explicit
+    cache.staging_capacity as given, else the union of the s_q queries' top-k sets."""
+    if cfg.cache.staging_capacity:
+        return cfg.cache.staging_capacity
+    return mtp.union_rows(cfg.model.index_topk, 1 + cfg.engine.num_draft_tokens)
+
+
+def per_request_bytes(cfg: Config, context: int, offload: bool,
+                      hot_rows: int | None = None) -> dict[str, int]:
     """Device bytes one request holds (cache parts) and host bytes it needs (no headroom).
 
     As the engine allocates a batch slot (`jlco.engine.runner.allocate_cache`): the hot buffer
-    has staging_capacity rows whatever the context; `tables` are its int32 length and,
-    offloaded, its page-table row and the hot buffer's slot position + stamp per row."""
+    has staging_capacity rows (or `hot_rows`) whatever the context; `tables` are its int32
+    length and, offloaded, its page-table row and the hot buffer's slot position + stamp
+    per row."""
     layers = cache_layers(cfg)
     s_q = 1 + cfg.engine.num_draft_tokens
-    latent_rows = cfg.staging_capacity if offload else context
+    rows = cfg.staging_capacity if hot_rows is None else hot_rows
+    latent_rows = rows if offload else context
     pages = -(-context // cfg.cache.page_size)
     tables = 4 + (4 * pages + 8 * latent_rows * layers if offload else 0)
     return dict(indexer=context * layers * cfg.indexer_key_bytes,
@@ -60,13 +82,15 @@ def per_request_bytes(cfg: Config, context: int, offload: bool) -> dict[str, int
 
 def max_batch(cfg: Config, device_bytes: float, *, offload: bool | None = None,
               ep: int = 1, context: int | None = None, reserve_bytes: float = 0.0,
-              weight_format: str = "fp8") -> int:
+              weight_format: str = "fp8", tensor: int = 1, hot_rows: int | None = None) -> int:
     """Largest batch whose caches and activations fit in `device_bytes` beside the
-    weights and reserve (memory limit only; not capped by engine.max_batch_size)."""
+    weights and reserve (memory limit only; not capped by engine.max_batch_size).
+    `hot_rows` defaults to cfg.staging_capacity (what the engine allocates)."""
     offload = cfg.cache.offload if offload is None else offload
     context = cfg.engine.max_context_len if context is None else context
-    free = device_bytes - reserve_bytes - weight_bytes(cfg.model, ep, weight_format).total
-    pr = per_request_bytes(cfg, context, offload)
+    free = (device_bytes - reserve_bytes
+            - weight_bytes(cfg.model, ep, weight_format, tensor).total)
+    pr = per_request_bytes(cfg, context, offload, hot_rows)
     per = pr["indexer"] + pr["latent_device"] + pr["tables"] + pr["activations"]
     return max(0, int(free // per))
 
@@ -84,6 +108,9 @@ class TransferCheck:
 
 @dataclasses.dataclass(frozen=True)
 class MemoryPlan:
+    """Per-device memory (weights, per-request caches, largest batches) and per-host pool.
+    `host_bytes_needed` is one device's (one attention rank's) admitted requests;
+    `host_bytes_per_host` all attention ranks on a host at that batch."""
     config: str
     hardware: str
     ep: int
@@ -102,6 +129,13 @@ class MemoryPlan:
     batch_no_offload: int
     host_bytes_needed: float
     transfer: TransferCheck | None
+    mesh: dict = dataclasses.field(default_factory=dict)
+    hosts: dict = dataclasses.field(default_factory=dict)
+    hot_rows: int = 0
+    hot_rows_engine_min: int = 0
+    max_batch_offload_engine_min: int = 0
+    host_bytes_per_host: float = 0.0
+    host_bytes_per_host_at_max: float = 0.0
 
     def as_dict(self) -> dict:
         """Plain JSON-ready values (numpy scalars become Python numbers and bools)."""
@@ -121,8 +155,10 @@ def _plain(v):
 def plan(cfg: Config, hw: HardwareProfile, *, ep: int = 1, context: int | None = None,
          miss_rate: float | None = None, accept: float | None = None,
          weight_format: str = "fp8", reserve_bytes: float | None = None,
-         check_transfer: bool = True) -> MemoryPlan:
-    """The seed's memory plan for `cfg` on one `hw` device (see the module docstring)."""
+         check_transfer: bool = True, mesh: MeshShape | None = None,
+         devices_per_host: int = 8) -> MemoryPlan:
+    """The memory plan for `cfg` on one `hw` device of `mesh` (default: data=1,
+    expert=ep, tensor=1; giving both a mesh and a different ep is refused)."""
     context = cfg.engine.max_context_len if context is None else context
     if not isinstance(context, int) or context < 1:
         raise ValueError(f"context={context!r} is invalid: allowed a positive integer")
@@ -131,27 +167,41 @@ def plan(cfg: Config, hw: HardwareProfile, *, ep: int = 1, context: int | None =
         raise ValueError(f"reserve_bytes={reserve!r} is invalid: allowed >= 0")
     if not isinstance(ep, int) or isinstance(ep, bool) or ep < 1:
         raise ValueError(f"ep={ep!r} is invalid: allowed a positive integer")
-    w = weight_bytes(cfg.model, ep, weight_format)
-    kw = dict(ep=ep, context=context, reserve_bytes=reserve, weight_format=weight_format)
-    b_off = max_batch(cfg, hw.hbm_bytes, offload=True, **kw)
+    if mesh is None:
+        mesh = MeshShape(1, ep, 1)
+    elif ep not in (1, mesh.expert):
+        raise ValueError(f"ep={ep} conflicts with mesh expert={mesh.expert}: give one")
+    ep, tp = mesh.expert, mesh.tensor
+    layout = host_layout(mesh, devices_per_host)
+    w = weight_bytes(cfg.model, ep, weight_format, tp)
+    hot = planned_hot_rows(cfg)
+    kw = dict(ep=ep, context=context, reserve_bytes=reserve, weight_format=weight_format,
+              tensor=tp)
+    b_off = max_batch(cfg, hw.hbm_bytes, offload=True, hot_rows=hot, **kw)
+    b_eng = max_batch(cfg, hw.hbm_bytes, offload=True, **kw)
     b_dev = max_batch(cfg, hw.hbm_bytes, offload=False, **kw)
     cap = cfg.engine.max_batch_size
-    pr_off = per_request_bytes(cfg, context, True)
+    pr_off = per_request_bytes(cfg, context, True, hot)
     batch = min(b_off, cap)
-    host = batch * pr_off["host"] * (1.0 + cfg.cache.host_headroom)
-    xfer = (transfer_check(cfg, hw, batch, ep, context, miss_rate, accept)
+    per_req_host = pr_off["host"] * (1.0 + cfg.cache.host_headroom)
+    xfer = (transfer_check(cfg, hw, batch, ep, context, miss_rate, accept, hot)
             if check_transfer and batch > 0 else None)
+    ranks = layout.attention_ranks_per_host
     return MemoryPlan(cfg.name, hw.name, ep, context, 1 + cfg.engine.num_draft_tokens,
                       hw.hbm_bytes, w, reserve, hw.hbm_bytes - reserve - w.total, pr_off,
                       per_request_bytes(cfg, context, False), b_off, b_dev, cap, batch,
-                      min(b_dev, cap), host, xfer)
+                      min(b_dev, cap), batch * per_req_host, xfer, mesh.as_dict(),
+                      layout.as_dict(), hot, cfg.staging_capacity, b_eng,
+                      ranks * batch * per_req_host, ranks * b_off * per_req_host)
 
 
 def transfer_check(cfg: Config, hw: HardwareProfile, batch: int, ep: int, context: int,
-                   miss_rate: float | None = None, accept: float | None = None) -> TransferCheck:
+                   miss_rate: float | None = None, accept: float | None = None,
+                   hot_rows: int | None = None) -> TransferCheck:
     """Missed rows per step (from `miss_rate` × lookups, else LRU replay of ESS-shaped
     synthetic traces scaled by the simulator's fitted miss_scale) × row bytes ÷ host
-    link, against the simulator's roofline step time without misses."""
+    link, against the simulator's roofline step time without misses. Lookups per
+    request per layer are the union of the s_q queries' top-k sets."""
     drafts = cfg.engine.num_draft_tokens
     s_q = 1 + drafts
     accept = 1.0 + 0.35 * drafts if accept is None else accept
@@ -163,10 +213,12 @@ def transfer_check(cfg: Config, hw: HardwareProfile, batch: int, ep: int, contex
     if miss_rate is not None:
         if not 0.0 <= miss_rate <= 1.0:
             raise ValueError(f"miss_rate={miss_rate} is invalid: allowed 0..1")
-        rows = miss_rate * batch * layers * cfg.model.index_topk * s_q
-        source = f"--miss_rate {miss_rate} x {cfg.model.index_topk} x s_q {s_q} lookups"
+        lookups = mtp.union_rows(cfg.model.index_topk, s_q)
+        rows = miss_rate * batch * layers * lookups
+        source = f"--miss_rate {miss_rate} x {lookups} lookups (top-k union over s_q {s_q})"
     else:
-        per_req = sim.misses_at(setup, cfg.staging_capacity).sum()
+        hot = cfg.staging_capacity if hot_rows is None else hot_rows
+        per_req = sim.misses_at(setup, hot).sum()
         rows = consts[sim.FIT_NAMES.index("miss_scale")] * per_req * batch
         source = "ESS locality profile (synthetic LRU replay x fitted miss_scale)"
     compute = float(sim.step_time(setup, batch, np.zeros(layers), np.array(consts)))
@@ -184,23 +236,36 @@ def _gb(x: float) -> str:
 
 
 def format_table(p: MemoryPlan) -> str:
-    w = p.weights
-    rows = [f"plan: config {p.config} on {p.hardware}, EP {p.ep}, context {p.context}, "
-            f"s_q {p.s_q}",
+    w, m, h = p.weights, p.mesh, p.hosts
+    po = p.per_request_offload
+    rows = [f"plan: config {p.config} on {p.hardware}, mesh data={m['data']} expert="
+            f"{m['expert']} tensor={m['tensor']} ({m['devices']} devices, {h['hosts']} "
+            f"host(s) x {h['devices_per_host']}), context {p.context}, s_q {p.s_q}",
+            "all device figures are per device; a device's batch = its attention rank's "
+            "requests",
             f"device memory          {_gb(p.device_bytes)}",
-            f"weights on this rank   {_gb(w.total)}  ({w.params_rank / 1e9:.2f} B of "
-            f"{w.params_total / 1e9:.2f} B params)",
+            f"weights per device     {_gb(w.total)}  ({w.params_rank / 1e9:.2f} B of "
+            f"{w.params_total / 1e9:.2f} B params; routed experts {_gb(w.routed_experts)})",
             f"runtime reserve        {_gb(p.reserve_bytes)}",
             f"free for requests      {_gb(p.free_for_requests)}"]
-    for name, pr in (("offload", p.per_request_offload), ("no offload", p.per_request_no_offload)):
-        rows.append(f"per request, {name:<10} indexer {_gb(pr['indexer'])}  latent on device "
-                    f"{_gb(pr['latent_device'])}  activations {_gb(pr['activations'])}")
-    rows += [f"largest batch, offload    {p.max_batch_offload:6d} (memory)  -> admitted "
+    for name, pr in (("offload", po), ("no offload", p.per_request_no_offload)):
+        rows.append(f"per request, {name:<10} indexer cache {_gb(pr['indexer'])}  latent on "
+                    f"device {_gb(pr['latent_device'])}  activations {_gb(pr['activations'])}")
+    rows += [f"hot buffer             {p.hot_rows} rows/layer/request (engine minimum "
+             f"top-k x s_q: {p.hot_rows_engine_min}; largest batch at that size "
+             f"{p.max_batch_offload_engine_min})",
+             f"largest batch, offload    {p.max_batch_offload:6d} (memory)  -> admitted "
              f"{p.batch_offload} (engine.max_batch_size {p.config_cap})",
              f"largest batch, no offload {p.max_batch_no_offload:6d} (memory)  -> admitted "
              f"{p.batch_no_offload}",
-             f"host memory needed     {_gb(p.host_bytes_needed)} (batch {p.batch_offload}, "
-             f"with headroom)"]
+             f"at the largest offload batch per device: indexer cache "
+             f"{_gb(p.max_batch_offload * po['indexer'])}  hot buffer "
+             f"{_gb(p.max_batch_offload * po['latent_device'])}",
+             f"host pool per device   {_gb(p.host_bytes_needed)} (batch {p.batch_offload}, "
+             f"with headroom)",
+             f"host pool per host     {_gb(p.host_bytes_per_host)} ({h['attention_ranks_per_host']}"
+             f" attention rank(s) x batch {p.batch_offload}); at the largest batch "
+             f"{_gb(p.host_bytes_per_host_at_max)}"]
     t = p.transfer
     if t is not None:
         rows.append(f"transfer: {t.miss_rows_per_step:.0f} miss rows/step ({t.source}) -> "

@@ -31,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from jlco.config import Config
+from jlco.config import Config, ModelConfig
 from jlco.planning.hardware import get_hardware
 from jlco.planning.params import param_counts
 
@@ -138,6 +138,20 @@ def index_key_bytes(cfg: Config) -> int:
     return (4 if cfg.model.dtype == "float32" else 2) * d
 
 
+def indexer_scores(m: ModelConfig, key_bytes: int, contexts: Sequence[int],
+                   s_q: int = 1) -> dict[str, int]:
+    """One layer's lightning-indexer scoring for a decode step (the kernel that grows with
+    context): `contexts[i]` cached positions of request i, `s_q` query tokens each (query j
+    sees c + j + 1 positions). keys: every cached indexer key read once per request (fp8:
+    D + 4 B); logits: the f32 score of every (query, position) written by the score
+    kernel and read back by top-k (2 × 4 B; `decode_step` leaves it out as an activation);
+    flops: 2·H·D per (query, position) for q·k (the ReLU-weighted head sum is H more,
+    negligible). The simulator's indexer op is exactly this."""
+    seen = sum(c + j + 1 for c in contexts for j in range(s_q))
+    return dict(keys=sum(contexts) * key_bytes, logits=2 * 4 * seen,
+                flops=2 * m.index_n_heads * m.index_head_dim * seen)
+
+
 def decode_step(cfg: Config, batch: int, contexts: int | Sequence[int],
                 s_q: int = 1) -> StepRoofline:
     """Roofline bytes and FLOPs of one decode step: `batch` requests, each with
@@ -166,6 +180,7 @@ def decode_step(cfg: Config, batch: int, contexts: int | Sequence[int],
     seen = [c + j + 1 for c in ctx for j in range(s_q)]
     rows = [min(m.index_topk, s) for s in seen]
     kb = index_key_bytes(cfg)
+    idx = indexer_scores(m, kb, ctx, s_q)
     by = dict(
         embed=(0 if m.tie_word_embeddings else min(n_tok, m.vocab_size) * h * w),
         lm_head=m.vocab_size * h * w,
@@ -176,7 +191,7 @@ def decode_step(cfg: Config, batch: int, contexts: int | Sequence[int],
         routed_experts=n_moe * touched * p["expert"] * w,
         shared_experts=n_moe * m.n_shared_experts * p["expert"] * w,
         dense_ffn=n_dense * p["dense_ffn"] * w,
-        index_keys=layers * sum(ctx) * kb,
+        index_keys=layers * idx["keys"],
         latent_rows=layers * sum(rows) * cfg.row_bytes,
         cache_writes=layers * n_tok * (cfg.row_bytes + kb),
     )
@@ -185,7 +200,7 @@ def decode_step(cfg: Config, batch: int, contexts: int | Sequence[int],
                  + n_dense * p["dense_ffn"] + m.vocab_size * h)
     fl = dict(
         matmul=2 * per_token * n_tok,
-        indexer_scores=layers * 2 * hh * d * sum(seen),
+        indexer_scores=layers * idx["flops"],
         sparse_mla=layers * 2 * m.num_attention_heads * (m.latent_dim + m.kv_lora_rank)
         * sum(rows),
     )

@@ -12,6 +12,16 @@ gpus_per_node · B · accepted / step time.
 
 Five constants are fitted on ESS's five 32K calibration rows (`FIT_NAMES`); everything
 else is setup (hardware profile, ESS's PCIe and FlashMLA figures). `python -m jlco.sim`.
+
+The indexer op's bytes and FLOPs are the roofline's (`roofline.indexer_scores`: keys read,
+f32 logits written and read by top-k, 2·H·D per query-position). Every calibration row is
+at 32K, so longer contexts rest on that op's linear scaling alone; `indexer_band` turns
+the calibration residuals into a ± band on it: an indexer cost off by δ moves a 32K step
+by δ × (indexer share of the step), so the rows only rule out δ > max residual / share,
+and a prediction carries ± (δ × its indexer time + max residual × the rest).
+
+With MTP the hot buffer's smallest size is the union of the s_q queries' top-k sets
+(`jlco.planning.mtp.union_rows`), not top-k × s_q.
 """
 
 from __future__ import annotations
@@ -22,9 +32,11 @@ import functools
 import numpy as np
 
 from jlco.config import ModelConfig
-from jlco.planning import trace
+from jlco.planning import mtp, trace
 from jlco.planning.hardware import HardwareProfile, get_hardware
-from jlco.planning.params import param_counts
+from jlco.planning.mesh import MeshShape
+from jlco.planning.params import param_counts, weight_bytes
+from jlco.planning.roofline import indexer_scores
 
 FIT_NAMES = ("gemm_eff", "mem_eff", "net_eff", "miss_scale", "layer_overhead_us")
 # FlashMLA sparse decode reaches ~410 TFLOP/s on H800 (bf16 peak 989): docs/facts.md §2.
@@ -71,12 +83,13 @@ def _ops(m: ModelConfig, s: Setup, batch: int) -> dict[str, np.ndarray]:
     ffn_tok = np.where(moe, (m.num_experts_per_tok + m.n_shared_experts) * p["expert"],
                        p["dense_ffn"])
     attn = p["attention"] + p["indexer"]
+    idx = indexer_scores(m, s.key_bytes, (L,) * batch, s.s_q)
     hidden_bytes = m.num_experts_per_tok * m.hidden_size * 3  # fp8 dispatch + bf16 combine
     inter_node = 1.0 - s.gpus_per_node / s.ep if s.ep > s.gpus_per_node else 0.0
     return dict(
         gemm_f=2.0 * T * (attn + ffn_tok), gemm_b=n_mb * (attn + ffn_w) * np.ones(len(moe)),
-        idx_f=2.0 * T * L * m.index_n_heads * m.index_head_dim * np.ones(len(moe)),
-        idx_b=(batch * L * s.key_bytes + 2.0 * T * L * 4) * np.ones(len(moe)),
+        idx_f=float(idx["flops"]) * np.ones(len(moe)),
+        idx_b=float(idx["keys"] + idx["logits"]) * np.ones(len(moe)),
         mla_f=2.0 * T * m.index_topk * m.num_attention_heads * (m.latent_dim + m.kv_lora_rank)
         * np.ones(len(moe)),
         comm_b=np.where(moe, T * hidden_bytes * inter_node, 0.0),
@@ -91,6 +104,12 @@ def _ops(m: ModelConfig, s: Setup, batch: int) -> dict[str, np.ndarray]:
 def step_time(s: Setup, batch: int, misses: np.ndarray, c: np.ndarray) -> np.ndarray:
     """Step seconds. `misses`: missed rows per request per layer per step ([layers]).
     `c`: constants, shape [..., 5] in FIT_NAMES order (broadcast, for grid fitting)."""
+    return step_parts(s, batch, misses, c)[0]
+
+
+def step_parts(s: Setup, batch: int, misses: np.ndarray,
+               c: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(step seconds, of which the indexer op's roofline time: main layers + MTP share)."""
     c = np.asarray(c, float)
     ge, me, ne, ms, oh = (c[..., i][..., None] for i in range(5))
     o, hw = _ops(s.model, s, batch), s.hw
@@ -107,7 +126,8 @@ def step_time(s: Setup, batch: int, misses: np.ndarray, c: np.ndarray) -> np.nda
     head = np.maximum(o["head_f"] / (bf16 * ge), o["head_b"] / (bw * me))[..., 0]
     mtp_layer = np.maximum(o["mtp_f"] / (fp8 * ge), o["mtp_b"] / (bw * me))[..., 0]
     mtp = s.num_draft * (mtp_layer + (idx[..., 0] + mla[..., 0]) / s.s_q + oh[..., 0] * 1e-6)
-    return per_layer.sum(-1) + head + mtp
+    idx_total = idx.sum(-1) + s.num_draft * idx[..., 0] / s.s_q
+    return per_layer.sum(-1) + head + mtp, idx_total
 
 
 @functools.lru_cache(maxsize=16)
@@ -115,9 +135,12 @@ def miss_curve(context: int, topk: int, num_layers: int, s_q: int, accept: float
                steps: int = 32, warm: int = 12) -> tuple[np.ndarray, np.ndarray]:
     """(capacities, misses[layers, capacities]): mean missed rows per request per step
     under LRU for ESS-shaped synthetic traces. Layers with the same overlap (rounded to
-    0.1) share one replay; the first `warm` steps stand in for ESS's prefill warm-up."""
+    0.1) share one replay; the first `warm` steps stand in for ESS's prefill warm-up.
+    Capacities start at the MTP union (`mtp.union_rows`); below a layer's own step union
+    the stack-distance count charges the overflow as misses."""
     prof = np.round(trace.ess_overlap_profile(num_layers), 1)
-    caps = np.unique(np.geomspace(topk * s_q, context, 28).astype(np.int64))
+    caps = np.unique(np.concatenate([[min(mtp.union_rows(topk, s_q), context)], np.geomspace(
+        topk * s_q, context, 28)]).astype(np.int64))
     out = np.zeros((num_layers, caps.size))
     for ov in np.unique(prof):
         sets = trace.synthetic_layer(context, topk, steps + warm, float(ov), s_q, accept,
@@ -196,26 +219,72 @@ def throughput(s: Setup, batch: int, offload: bool, consts=None) -> dict:
 
 def batch_limits(s: Setup) -> tuple[int, int]:
     """(no-offload, offload) memory limits at the same KV budget. With offload the hot
-    buffer must hold topk × s_q rows (the engine's staging minimum, `Config`)."""
+    buffer must hold the union of the s_q queries' top-k sets (`mtp.union_rows`)."""
     layers = s.model.num_hidden_layers
     full = s.context * layers * (s.row_bytes + s.key_bytes)
-    min_hot = s.model.index_topk * s.s_q
+    min_hot = mtp.union_rows(s.model.index_topk, s.s_q)
     offl = s.context * layers * s.key_bytes + min_hot * layers * s.row_bytes
     return int(s.kv_budget // full), int(s.kv_budget // offl)
 
 
-def predict(s: Setup, consts=None, max_points: int = 40) -> dict:
-    """Best throughput with and without offload at the same KV budget, and the curve."""
+def predict(s: Setup, consts=None, max_points: int = 40, band: dict | None = None) -> dict:
+    """Best throughput with and without offload at the same KV budget, and the curve.
+    `band` (from `indexer_band`) adds each best point's ± band."""
     b_dev, b_off = batch_limits(s)
     no_off = [throughput(s, b, False, consts) for b in _batches(1, b_dev, max_points)]
     off = [throughput(s, b, True, consts) for b in _batches(1, b_off, max_points)]
     best_off = max(off, key=lambda d: d["node_tokens_s"])
     best_dev = no_off[-1]
-    return dict(context=s.context, num_draft=s.num_draft, accept=s.accept,
-                batch_limit_no_offload=b_dev, batch_limit_offload=b_off,
-                no_offload=best_dev, offload=best_off,
+    if band is not None:
+        for best, offload in ((best_dev, False), (best_off, True)):
+            best["band"] = point_band(s, best["batch"], offload, band, consts)
+    return dict(context=s.context, num_draft=s.num_draft, accept=s.accept, ep=s.ep,
+                kv_budget_bytes=s.kv_budget, batch_limit_no_offload=b_dev,
+                batch_limit_offload=b_off, hot_rows_min=mtp.union_rows(
+                    s.model.index_topk, s.s_q), no_offload=best_dev, offload=best_off,
                 speedup=best_off["node_tokens_s"] / best_dev["node_tokens_s"],
                 curve_no_offload=no_off, curve_offload=off)
+
+
+def _indexer_split(s: Setup, batch: int, misses: np.ndarray, consts) -> tuple[float, float]:
+    """(step seconds, the indexer op's seconds within it)."""
+    t, ti = step_parts(s, batch, misses, np.array(consts))
+    return float(t), float(ti)
+
+
+def indexer_band(rows: list[tuple[Setup, int, float]], errors_pct: list[float],
+                 consts) -> dict:
+    """How sure the indexer cost is, from the calibration residuals: rows (setup, batch,
+    ratio r) and their tokens/s errors. δ = max |residual| / smallest indexer share of a
+    calibration step (an indexer cost off by more than δ would show in some row)."""
+    shares = []
+    for s, b, r in rows:
+        t, ti = _indexer_split(s, b, misses_at(s, r * s.context), consts)
+        shares.append(ti / t)
+    resid = max(abs(e) for e in errors_pct) / 100.0
+    share = min(shares)
+    return dict(max_abs_residual=resid, calibration_indexer_share_min=share,
+                calibration_indexer_share_max=max(shares),
+                indexer_rel_uncertainty=resid / share if share > 0 else float("inf"),
+                note="every calibration row is at 32K: the indexer op (roofline bytes "
+                     "and FLOPs) is the only term that scales with context; +-band = "
+                     "delta x indexer time + max residual x the rest of the step")
+
+
+def point_band(s: Setup, batch: int, offload: bool, band: dict, consts=None) -> dict:
+    """± band of one prediction (see `indexer_band`), plus the indexer op's roofline."""
+    consts = fitted() if consts is None else consts
+    hot = hot_rows_for(s, batch) if offload else float(s.context)
+    misses = misses_at(s, hot) if offload else np.zeros(s.model.num_hidden_layers)
+    t, ti = _indexer_split(s, batch, misses, consts)
+    dt = band["indexer_rel_uncertainty"] * ti + band["max_abs_residual"] * (t - ti)
+    tok = s.gpus_per_node * batch * s.accept
+    idx = indexer_scores(s.model, s.key_bytes, (s.context,) * batch, s.s_q)
+    return dict(indexer_ms=1e3 * ti, indexer_share=ti / t, step_ms_lo=1e3 * (t - dt),
+                step_ms_hi=1e3 * (t + dt), node_tokens_s_lo=tok / (t + dt),
+                node_tokens_s_hi=tok / max(t - dt, 1e-12), rel_band=dt / t,
+                indexer_bytes_per_layer=idx["keys"] + idx["logits"],
+                indexer_flops_per_layer=idx["flops"])
 
 
 def _batches(lo: int, hi: int, n: int) -> list[int]:
@@ -228,11 +297,30 @@ PREDICTIONS = (("32k_mtp4_accept2.8", 32768, 4, 2.8), ("32k_mtp4_accept3.4", 327
                ("128k_mtp2_accept1.7", 131072, 2, 1.7))
 
 
-def run(hardware: str = "h200") -> dict:
-    """Fit, check calibration, predict the held-out ESS setups: everything `--json` prints."""
+ESS_MESH = MeshShape(1, 32, 1)   # ESS: 32 GPUs, DP attention over all, EP 32, TP 1
+
+
+def kv_budget_for(model: ModelConfig, mesh: MeshShape) -> float:
+    """ESS's KV budget per GPU, less the extra weight bytes `mesh` puts on a device (more
+    with a smaller expert degree) than ESS's EP 32."""
+    extra = (weight_bytes(model, mesh.expert).total - weight_bytes(model, ESS_MESH.expert).total)
+    budget = ESS_KV_BUDGET - extra
+    if budget <= 0:
+        raise ValueError(f"mesh {mesh.text()} is invalid for the simulator: its weights "
+                         f"leave no KV budget ({extra / 1e9:.1f} GB more than EP 32)")
+    return float(budget)
+
+
+def run(hardware: str = "h200", mesh: MeshShape | None = None) -> dict:
+    """Fit, check calibration, predict the held-out ESS setups on `mesh` (default ESS's):
+    everything `--json` prints. The fit always uses ESS's own setup (its rows)."""
     hw = get_hardware(hardware)
+    mesh = ESS_MESH if mesh is None else mesh
+    if mesh.tensor != 1:
+        raise ValueError(f"mesh tensor={mesh.tensor} is invalid for the simulator: allowed 1 "
+                         "(its step model is TP 1, as ESS runs)")
     consts = fitted()
-    calib = []
+    calib, rows = [], []
     for s, b, r, y in ess_setups():
         s = dataclasses.replace(s, hw=hw)
         t = float(step_time(s, b, misses_at(s, r * s.context), np.array(consts)))
@@ -241,9 +329,13 @@ def run(hardware: str = "h200") -> dict:
         calib.append(dict(batch=b, ratio=r, target_tokens_s=target, sim_tokens_s=tps,
                           target_otps=s.accept / y, sim_otps=s.accept / t,
                           error_pct=100.0 * (tps / target - 1.0)))
+        rows.append((s, b, r))
+    band = indexer_band(rows, [c["error_pct"] for c in calib], consts)
+    budget = kv_budget_for(Setup().model, mesh)
     preds = {}
     for name, ctx, drafts, acc in (("32k_mtp2_accept1.7", 32768, 2, 1.7),) + PREDICTIONS:
-        preds[name] = predict(Setup(hw=hw, context=ctx, num_draft=drafts, accept=acc), consts)
+        preds[name] = predict(Setup(hw=hw, context=ctx, num_draft=drafts, accept=acc,
+                                    ep=mesh.expert, kv_budget=budget), consts, band=band)
     caps, mc = miss_curve(32768, 2048, 61, 3, 1.7)
     return dict(
         hardware=hw.as_dict(),
@@ -251,8 +343,13 @@ def run(hardware: str = "h200") -> dict:
                         "~40 GB of EP32 weights) implies a ~141 GB part: H200 SXM.",
         setup=dict(ep=32, gpus_per_node=8, tbo=True, h2d_gbps=37.0, net_gbps=50.0,
                    kv_budget_bytes=ESS_KV_BUDGET, mla_eff_from_flashmla=MLA_EFF),
+        mesh=dict(mesh.as_dict(), kv_budget_bytes=budget,
+                  note="predictions per device of this mesh; calibration on ESS's EP 32"),
+        mtp_union=dict(new_fraction=mtp.MTP_NEW_FRACTION,
+                       hot_rows_min_by_s_q={q: mtp.union_rows(2048, q) for q in (1, 2, 3, 5)}),
         fitted_constants=dict(zip(FIT_NAMES, consts)), calibration=calib,
         max_abs_calibration_error_pct=max(abs(c["error_pct"]) for c in calib),
+        indexer_uncertainty=band,
         predictions={k: v for k, v in preds.items() if k != "32k_mtp2_accept1.7"},
         calibration_setup_curves=preds["32k_mtp2_accept1.7"],
         miss_curve_32k_mtp2=dict(capacities=caps.tolist(),
@@ -305,10 +402,20 @@ def format_table(out: dict) -> str:
     for c in out["calibration"]:
         lines.append(f"{c['batch']:>6} {c['ratio']:>5.2f} {c['target_tokens_s']:>13.1f} "
                      f"{c['sim_tokens_s']:>10.1f} {c['error_pct']:>7.2f}")
+    u = out["indexer_uncertainty"]
+    lines.append(f"indexer cost: +-{100 * u['indexer_rel_uncertainty']:.0f}% (max residual "
+                 f"{100 * u['max_abs_residual']:.2f}% / indexer share of a 32K step >= "
+                 f"{100 * u['calibration_indexer_share_min']:.1f}%)")
     lines.append(f"{'prediction':<22} {'B dev':>6} {'tok/s dev':>10} {'B off':>6} {'r':>5} "
-                 f"{'tok/s off':>10} {'x':>5}")
+                 f"{'tok/s off':>10} {'+-%':>5} {'idx %':>5} {'x':>5}")
     for name, p in out["predictions"].items():
         d, o = p["no_offload"], p["offload"]
+        b = o.get("band", {})
         lines.append(f"{name:<22} {d['batch']:>6} {d['node_tokens_s']:>10.1f} {o['batch']:>6} "
-                     f"{o['ratio']:>5.2f} {o['node_tokens_s']:>10.1f} {p['speedup']:>5.2f}")
+                     f"{o['ratio']:>5.2f} {o['node_tokens_s']:>10.1f} "
+                     f"{100 * b.get('rel_band', float('nan')):>5.1f} "
+                     f"{100 * b.get('indexer_share', float('nan')):>5.1f} {p['speedup']:>5.2f}")
+        if b:
+            lines.append(f"{'':<22} offload tok/s band {b['node_tokens_s_lo']:.0f} .. "
+                         f"{b['node_tokens_s_hi']:.0f}")
     return "\n".join(lines)

@@ -367,3 +367,42 @@ def lru_stack_ranks(sets: list[np.ndarray], warmup: int = 0) -> tuple[np.ndarray
             ranks.append(np.where(k >= 0, r, _NEVER))
         key[u] = t * width + np.arange(u.size)
     return (np.concatenate(ranks) if ranks else np.zeros(0, np.int64)), len(ranks)
+
+
+# ---------------------------------------------------------------- MTP union sizing
+
+def union_ratios(tr: Trace, window: int = 1, topk: int | None = None,
+                 queries_per_step: int | None = None, warmup: int = 0) -> dict:
+    """How much the top-k sets of one step's s_q query tokens overlap: per record t, the
+    distinct ids of records t..t+window-1 (same request and layer) over
+    window × queries_per_step × topk, i.e. the union's share of top-k × s_q.
+
+    Engine traces record s_q = 1 steps (`queries_per_step` 1): a window of s_q
+    consecutive steps is what an MTP step with s_q query tokens reads when its drafts are
+    accepted (the queries sit at consecutive positions). Synthetic MTP traces already
+    record each step's union (`queries_per_step` = s_q, window 1). Empty records (layers
+    that select nothing, e.g. an idle MTP layer) are skipped. Returns per-layer mean / p99
+    / max and `mean_of_layer_max`, the hot rows per layer (× top-k × s_q) a buffer sized
+    per layer to its largest union needs on average."""
+    topk = int(tr.meta.get("topk", 0)) if topk is None else topk
+    q = int(tr.meta.get("queries_per_step", 1)) if queries_per_step is None else queries_per_step
+    if topk < 1 or window < 1 or q < 1:
+        raise ValueError(f"topk={topk}, window={window}, queries_per_step={q} are invalid: "
+                         "allowed positive integers (topk from the trace header by default)")
+    per_layer: dict[int, list[float]] = {}
+    for r, l in tr.keys():
+        sets = [s[s >= 0] for s in tr.sets(r, l)][warmup:]
+        for t in range(len(sets) - window + 1):
+            win = sets[t:t + window]
+            if any(s.size == 0 for s in win):
+                continue
+            per_layer.setdefault(l, []).append(
+                np.unique(np.concatenate(win)).size / (window * q * topk))
+    if not per_layer:
+        raise ValueError(f"no window of {window} non-empty records in the trace")
+    layers = {l: dict(mean=float(np.mean(v)), p99=float(np.percentile(v, 99)),
+                      max=float(np.max(v)), n=len(v)) for l, v in sorted(per_layer.items())}
+    return dict(window=window, queries_per_step=q, topk=topk, layers=layers,
+                mean=float(np.mean(np.concatenate([np.array(v) for v in per_layer.values()]))),
+                mean_of_layer_max=float(np.mean([d["max"] for d in layers.values()])),
+                max=float(max(d["max"] for d in layers.values())))
