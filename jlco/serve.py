@@ -218,7 +218,7 @@ def main(argv):
     from jlco.server.app import ServerState, create_app
     _say(choice.banner)
     state = ServerState(model_name=name, max_context_len=cfg.engine.max_context_len,
-                        api_key=FLAGS.api_key)
+                        api_key=FLAGS.api_key, index_topk=cfg.model.index_topk)
     fastapi_app = create_app(state)
     state.on_step = fastapi_app.state.metrics.observe_step
     failure: list[BaseException] = []

@@ -42,26 +42,18 @@ Results go to --out (a directory, default out/ in the repository): bench_serve.j
 bench_serve.png and each started server's stderr (server_offload_on.log, ...); the table
 goes to stdout (--json: the JSON on stdout, the table on stderr). A local server shares
 the machine with the client: on a small CPU box the client's event loop competes with
-the engine for cores.
+the engine for cores. The client, timing and server-starting code is
+jlco/server/loadgen.py (shared with `python -m jlco.validate` and `jlco.diagnose`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import json
 import logging as pylog
 import math
-import os
 import pathlib
-import platform
-import re
-import signal
-import subprocess
 import sys
-import threading
 import time
-import urllib.parse
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 try:
@@ -69,21 +61,28 @@ try:
 except ImportError:   # run from a checkout that is not pip-installed
     sys.path.insert(0, str(REPO))
 
-import httpx  # noqa: E402
 import numpy as np  # noqa: E402
 from absl import flags, logging  # noqa: E402
-from tqdm import tqdm  # noqa: E402
 
+from jlco.server import loadgen  # noqa: E402
+from jlco.server.loadgen import (  # noqa: E402 - Result etc. are this tool's API too
+    LoadSpec,
+    Result,
+    hist_delta,
+    normalize_url,
+    prompts,
+    resolve_config,
+    scrape,
+    stats,
+    stream_one,
+    wait_ready,
+)
 from jlco.util import atomic, cli  # noqa: E402
 
 PROG = "bench_serve"
 FLAGS = flags.FLAGS
-READY = re.compile(r"ready: http://(\S+?):(\d+)/v1\b")
-BATCH = re.compile(r"\(batch (\d+),.* offload (on|off)")
-BUDGET = re.compile(r"device budget ([\d.]+) GB .*largest batch (\d+) with offload off, "
-                    r"(\d+) with offload on")
-PROMPT_VOCAB = 250          # prompt ids in 0..249: valid for the byte-level demo model
 SCENARIO_MAX_TOKENS = {"load": 32}   # long_prompt: what fits the context
+BenchError = loadgen.LoadError
 
 
 def define_flags() -> None:
@@ -138,33 +137,7 @@ def _say(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-class BenchError(Exception):
-    """A one-line failure with its exit code (2: bad input, 1: an unusable result)."""
-
-    def __init__(self, msg: str, code: int = cli.USAGE_EXIT):
-        super().__init__(msg)
-        self.code = code
-
-
 # ---- flags ------------------------------------------------------------------------------
-
-def resolve_config(path: str) -> pathlib.Path:
-    """--config as given when it exists (or is absolute), else relative to the repository."""
-    p = pathlib.Path(path).expanduser()
-    if p.is_absolute() or p.is_file():
-        return p.absolute()
-    alt = REPO / p
-    return alt if alt.is_file() else p
-
-
-def normalize_url(url: str) -> str:
-    parts = urllib.parse.urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.netloc:
-        raise ValueError(f"--url={url}: allowed http://HOST:PORT or https://HOST:PORT")
-    path = parts.path.rstrip("/")
-    path = path.removesuffix("/v1")
-    return f"{parts.scheme}://{parts.netloc}{path}"
-
 
 def check_flags() -> pathlib.Path:
     """Every flag checked before a server starts; returns the output directory."""
@@ -205,311 +178,34 @@ def check_flags() -> pathlib.Path:
     return out
 
 
-# ---- servers started here ---------------------------------------------------------------
-
-class Server:
-    """`python -m jlco.serve ARGS --port 0`, ready once it prints its ready line; stderr
-    is drained by a thread into `lines` (and `log`)."""
-
-    def __init__(self, label: str, args: list[str], log: pathlib.Path, append: bool = False):
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-        self.label, self.lines, self.url, self.batch, self.offload = label, [], None, None, None
-        self.log = open(log, "a" if append else "w")  # noqa: SIM115 - closed by stop()
-        self._ready = threading.Event()
-        self.proc = subprocess.Popen([sys.executable, "-m", "jlco.serve", *args, "--port", "0"],
-                                     cwd=REPO, env=env, stdin=subprocess.DEVNULL,
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        for line in self.proc.stderr:
-            self.lines.append(line.rstrip("\n"))
-            self.log.write(line)
-            self.log.flush()
-            m = READY.search(line)
-            if m and not self._ready.is_set():
-                host = "127.0.0.1" if m.group(1) in ("0.0.0.0", "[::]", "::") else m.group(1)
-                self.url = f"http://{host}:{m.group(2)}"
-                b = BATCH.search(line)
-                self.batch = int(b.group(1)) if b else None
-                self.offload = b.group(2) == "on" if b else None
-                self._ready.set()
-
-    def wait_ready(self, timeout: float) -> None:
-        """Return once ready; otherwise (it exited, timed out, or we were interrupted)
-        stop it and raise."""
-        try:
-            self._wait(timeout)
-        except BaseException:
-            self.stop()
-            raise
-
-    def _wait(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while not self._ready.wait(0.2):
-            exited = self.proc.poll() is not None
-            if exited or time.monotonic() > deadline:
-                code = self.stop()
-                errs = [ln for ln in self.lines if "error:" in ln] or self.lines[-1:] or [""]
-                what = f"exited with {code}" if exited else f"not ready after {timeout:g} s"
-                raise BenchError(f"{self.name} {what}: {errs[-1].strip()}",
-                                 cli.USAGE_EXIT if code == cli.USAGE_EXIT else cli.FAILURE_EXIT)
-
-    @property
-    def name(self) -> str:
-        return "server" if self.label == "server" else f"server ({self.label})"
-
-    @property
-    def memory(self) -> list[str]:
-        return [ln for ln in self.lines if ln.startswith("memory:")]
-
-    def budget_batch(self) -> tuple[int, str] | None:
-        """(the largest batch the banner's device budget allows this server's offload
-        setting, that budget in GB as printed)."""
-        m = next((BUDGET.search(ln) for ln in self.memory if BUDGET.search(ln)), None)
-        if m is None or self.offload is None:
-            return None
-        return int(m.group(3 if self.offload else 2)), m.group(1)
-
-    def stop(self) -> int | None:
-        """SIGTERM (the server drains), then kill after 120 s; the exit code."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            code = self.proc.wait(120)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            code = self.proc.wait()
-        self._reader.join(5)
-        self.log.close()
-        return code
-
+# ---- client glue (the measuring code is jlco/server/loadgen.py) --------------------------
 
 def server_args(offload: bool | None, batch: int | None = None,
                 budget_gb: str | None = None) -> list[str]:
-    args = []
-    if FLAGS.config is not None:
-        args += ["--config", str(resolve_config(FLAGS.config))]
-    if FLAGS.checkpoint is not None:
-        args += ["--checkpoint", str(pathlib.Path(FLAGS.checkpoint).expanduser().absolute())]
-    for o in FLAGS.override:
-        args += ["--override", o]
-    if batch is not None:   # after the user's: the last override of a field wins
-        args += ["--override", f"engine.max_batch_size={batch}"]
-    if offload is not None:
-        args.append("--offload" if offload else "--nooffload")
-    if FLAGS.device_budget_gb is not None or budget_gb is not None:
-        args.append(f"--device_budget_gb={budget_gb or FLAGS.device_budget_gb}")
-    if FLAGS.api_key:
-        args.append(f"--api_key={FLAGS.api_key}")
-    return args
-
-
-# ---- one streamed request ---------------------------------------------------------------
-
-@dataclasses.dataclass
-class Result:
-    """One request as the client saw it (perf_counter times)."""
-    t_send: float = 0.0
-    t_end: float | None = None
-    chunk_t: list = dataclasses.field(default_factory=list)   # token-bearing chunks
-    chunk_n: list = dataclasses.field(default_factory=list)   # their token counts
-    usage_tokens: int | None = None
-    done: bool = False
-    error: str | None = None
-
-    @property
-    def tokens(self) -> int:
-        return sum(self.chunk_n)
-
-    @property
-    def ttft(self) -> float | None:
-        return self.chunk_t[0] - self.t_send if self.chunk_t else None
-
-    def gaps(self) -> list[tuple[float, float]]:
-        """(arrival, gap) per token after the first chunk; k tokens in a chunk: k gaps
-        of gap/k."""
-        out = []
-        for i in range(1, len(self.chunk_t)):
-            k = self.chunk_n[i]
-            out += [(self.chunk_t[i], (self.chunk_t[i] - self.chunk_t[i - 1]) / k)] * k
-        return out
-
-    def summary(self, t0: float) -> dict:
-        e2e = self.t_end - self.t_send if self.done else None
-        tpot = (e2e - self.ttft) / (self.tokens - 1) if e2e and self.tokens > 1 else None
-        return dict(send_s=self.t_send - t0, ttft_s=self.ttft, tpot_s=tpot, e2e_s=e2e,
-                    tokens=self.tokens, usage_tokens=self.usage_tokens, error=self.error)
-
-
-def _error_text(raw: bytes) -> str:
-    try:
-        return json.loads(raw)["error"]["message"]
-    except (ValueError, KeyError, TypeError):
-        return raw.decode(errors="replace")[:200]
-
-
-async def stream_one(client: httpx.AsyncClient, body: dict, res: Result) -> Result:
-    """POST one streamed completion, filling `res` as chunks arrive (so a cancelled
-    stream keeps what it measured)."""
-    res.t_send = time.perf_counter()
-    try:
-        async with client.stream("POST", "/v1/completions", json=body) as resp:
-            if resp.status_code != 200:
-                res.error = f"HTTP {resp.status_code}: {_error_text(await resp.aread())}"
-                return res
-            async for line in resp.aiter_lines():
-                if not line.startswith("data: "):
-                    continue
-                now, data = time.perf_counter(), line[6:]
-                if data == "[DONE]":
-                    res.done, res.t_end = True, now
-                    break
-                doc = json.loads(data)
-                if "error" in doc:
-                    res.error = f"stream error: {doc['error'].get('message')}"
-                    break
-                if doc.get("usage"):
-                    res.usage_tokens = doc["usage"].get("completion_tokens")
-                n = sum(len(c.get("token_ids") or ()) for c in doc.get("choices") or ())
-                if n:
-                    res.chunk_t.append(now)
-                    res.chunk_n.append(n)
-            if not res.done and res.error is None:
-                res.error = "the stream ended without [DONE]"
-    except (httpx.HTTPError, ValueError) as err:
-        res.error = f"{type(err).__name__}: {err}"
-    return res
+    return loadgen.serve_args(config=FLAGS.config, checkpoint=FLAGS.checkpoint,
+                              overrides=FLAGS.override, offload=offload, batch=batch,
+                              budget_gb=budget_gb or FLAGS.device_budget_gb,
+                              api_key=FLAGS.api_key)
 
 
 def make_body(ids: list[int], max_tokens: int, seed: int) -> dict:
-    body = dict(prompt=ids, max_tokens=max_tokens, stream=True, ignore_eos=True,
-                stream_options={"include_usage": True}, return_token_ids=True,
-                temperature=FLAGS.temperature)
-    if FLAGS.temperature > 0:
-        body["seed"] = seed
-    return body
+    return loadgen.make_body(ids, max_tokens, seed, FLAGS.temperature)
 
 
-def prompts(rng: np.random.Generator, n: int, length: int) -> list[list[int]]:
-    return [rng.integers(0, PROMPT_VOCAB, length).tolist() for _ in range(n)]
-
-
-# ---- server queries ---------------------------------------------------------------------
-
-async def scrape(client: httpx.AsyncClient) -> dict[str, float]:
-    """Unlabelled samples of /metrics (histogram _sum/_count among them)."""
-    resp = await client.get("/metrics")
-    out = {}
-    for line in resp.text.splitlines():
-        parts = line.split()
-        if len(parts) == 2 and not line.startswith("#") and "{" not in parts[0]:
-            out[parts[0]] = float(parts[1])
-    return out
-
-
-def hist_delta(m0: dict, m1: dict, name: str) -> dict:
-    """Count, sum and mean of histogram `name` between two scrapes."""
-    n = m1.get(f"{name}_count", 0.0) - m0.get(f"{name}_count", 0.0)
-    s = m1.get(f"{name}_sum", 0.0) - m0.get(f"{name}_sum", 0.0)
-    return dict(count=int(n), sum_s=s, mean_s=s / n if n else None)
-
-
-async def wait_ready(client: httpx.AsyncClient, timeout: float) -> dict:
-    """Poll /health until 200 (503: still loading) → the /v1/models document."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            resp = await client.get("/health")
-        except httpx.HTTPError as err:
-            raise BenchError(f"cannot reach {client.base_url}: {type(err).__name__}: "
-                             f"{err}") from None
-        if resp.status_code == 200:
-            break
-        if resp.status_code != 503 or time.monotonic() > deadline:
-            raise BenchError(f"{client.base_url}/health answered {resp.status_code}: "
-                             f"{resp.text[:200]}")
-        await asyncio.sleep(1.0)
-    resp = await client.get("/v1/models")
-    if resp.status_code != 200:
-        raise BenchError(f"{client.base_url}/v1/models answered {resp.status_code}: "
-                         f"{_error_text(resp.content)}")
-    return resp.json()
-
-
-def _client(url: str, n: int) -> httpx.AsyncClient:
-    headers = {"Authorization": f"Bearer {FLAGS.api_key}"} if FLAGS.api_key else {}
-    return httpx.AsyncClient(base_url=url, headers=headers,
-                             timeout=httpx.Timeout(FLAGS.request_timeout_s),
-                             limits=httpx.Limits(max_connections=n + 4))
-
-
-def _bar(total: int, desc: str):
-    """tqdm on a terminal only (logs and pipes get no progress-bar noise)."""
-    return tqdm(total=total, desc=desc, file=sys.stderr, leave=False,
-                disable=not sys.stderr.isatty())
-
-
-# ---- statistics -------------------------------------------------------------------------
-
-def stats(xs) -> dict:
-    if not len(xs):
-        return dict(n=0, mean=None, p50=None, p90=None, p99=None, max=None)
-    a = np.asarray(xs, dtype=np.float64)
-    p50, p90, p99 = np.percentile(a, [50, 90, 99])
-    return dict(n=int(a.size), mean=float(a.mean()), p50=float(p50), p90=float(p90),
-                p99=float(p99), max=float(a.max()))
+def _client(url: str, n: int):
+    return loadgen.client(url, n, FLAGS.api_key, FLAGS.request_timeout_s)
 
 
 # ---- scenarios --------------------------------------------------------------------------
 
-async def run_load(client: httpx.AsyncClient, ctx: int, desc: str) -> tuple[dict, dict]:
+async def run_load(client, ctx: int, desc: str) -> tuple[dict, dict]:
     """--num_requests from --num_clients clients → (report, raw lists for the plot)."""
-    n, max_tokens = FLAGS.num_requests, FLAGS.max_tokens or SCENARIO_MAX_TOKENS["load"]
-    if FLAGS.prompt_len + max_tokens > ctx:
-        raise BenchError(f"--prompt_len={FLAGS.prompt_len} + max tokens {max_tokens} exceed "
-                         f"the server's context ({ctx} tokens)")
-    rng = np.random.default_rng(FLAGS.seed)
-    ps = prompts(rng, n, FLAGS.prompt_len)
-    if FLAGS.warmup:
-        warm = prompts(rng, FLAGS.num_clients, FLAGS.prompt_len)
-        await asyncio.gather(*(stream_one(client, make_body(p, max_tokens, 0), Result())
-                               for p in warm))
-    gaps = rng.exponential(1.0 / FLAGS.request_rate, n) if math.isfinite(
-        FLAGS.request_rate) else np.zeros(n)
-    arrive = np.cumsum(gaps) - gaps[0]
-    sem, results = asyncio.Semaphore(FLAGS.num_clients), [Result() for _ in range(n)]
-    m0 = await scrape(client)
-    bar = _bar(n, desc)
-    t0 = time.perf_counter()
-
-    async def one(i: int) -> None:
-        await asyncio.sleep(max(0.0, t0 + arrive[i] - time.perf_counter()))
-        async with sem:
-            await stream_one(client, make_body(ps[i], max_tokens, FLAGS.seed + i), results[i])
-        bar.update(1)
-
-    await asyncio.gather(*(one(i) for i in range(n)))
-    dur = time.perf_counter() - t0
-    bar.close()
-    m1 = await scrape(client)
-    ok = [r for r in results if r.error is None]
-    reqs = [r.summary(t0) for r in results]
-    itl = [g for r in ok for _, g in r.gaps()]
-    ttft, tpot = [q["ttft_s"] for q in reqs if q["error"] is None], \
-        [q["tpot_s"] for q in reqs if q["error"] is None and q["tpot_s"] is not None]
-    out_tokens = sum(r.tokens for r in results)
-    rep = dict(max_tokens=max_tokens, num_requests=n, completed=len(ok),
-               errors=n - len(ok),
-               error_messages=sorted({r.error for r in results if r.error})[:5],
-               duration_s=dur, output_tokens=out_tokens, output_tokens_per_s=out_tokens / dur,
-               requests_per_s=len(ok) / dur, ttft_s=stats(ttft), tpot_s=stats(tpot),
-               itl_s=stats(itl), e2e_s=stats([q["e2e_s"] for q in reqs if q["e2e_s"]]),
-               server_step=hist_delta(m0, m1, "jlco_engine_step_seconds"),
-               requests=reqs)
-    return rep, dict(ttft=ttft, itl=itl)
+    spec = LoadSpec(num_requests=FLAGS.num_requests, num_clients=FLAGS.num_clients,
+                    prompt_len=FLAGS.prompt_len,
+                    max_tokens=FLAGS.max_tokens or SCENARIO_MAX_TOKENS["load"],
+                    request_rate=FLAGS.request_rate, seed=FLAGS.seed,
+                    temperature=FLAGS.temperature, warmup=FLAGS.warmup)
+    return await loadgen.run_load(client, spec, ctx, desc)
 
 
 async def _until(cond, timeout: float, what: str) -> None:
@@ -520,7 +216,7 @@ async def _until(cond, timeout: float, what: str) -> None:
         await asyncio.sleep(0.005)
 
 
-async def _long_warmup(client: httpx.AsyncClient, rng: np.random.Generator) -> None:
+async def _long_warmup(client, rng: np.random.Generator) -> None:
     """Streams and one long prompt at once, untimed (their shapes compile here)."""
     jobs = [stream_one(client, make_body(p, 4, 0), Result())
             for p in prompts(rng, FLAGS.num_clients, FLAGS.prompt_len)]
@@ -529,7 +225,7 @@ async def _long_warmup(client: httpx.AsyncClient, rng: np.random.Generator) -> N
     await asyncio.gather(*jobs)
 
 
-async def run_long_prompt(client: httpx.AsyncClient, ctx: int) -> tuple[dict, dict]:
+async def run_long_prompt(client, ctx: int) -> tuple[dict, dict]:
     """Decoding streams: quiet ITL, then ITL while each long prompt prefills."""
     max_tokens = FLAGS.max_tokens or ctx - FLAGS.prompt_len
     if FLAGS.prompt_len + max_tokens > ctx or FLAGS.long_prompt_len + 1 > ctx:
@@ -636,22 +332,13 @@ async def bench_url(url: str, desc: str, batch: int | None) -> tuple[dict, dict]
     return dict(url=url, models=models, **rep), raw
 
 
-def start_server(label: str, offload: bool | None, log: pathlib.Path) -> Server:
+def start_server(label: str, offload: bool | None, log: pathlib.Path) -> loadgen.ServeProcess:
     """A ready server; with --batch_from_budget restarted at the largest batch its
-    banner's device budget allows (when that is not the config's), the budget passed on
-    explicitly (on CPU the default budget follows the batch)."""
-    srv = Server(label, server_args(offload), log)
-    _say(f"{PROG}: started {srv.name}, log {log}")
-    srv.wait_ready(FLAGS.server_timeout_s)
-    plan = srv.budget_batch() if FLAGS.batch_from_budget else None
-    if plan is None or plan[0] == srv.batch:
-        return srv
-    srv.stop()
-    _say(f"{PROG}: restarting {srv.name} at batch {plan[0]} (the largest in its device "
-         f"budget, {plan[1]} GB)")
-    srv = Server(label, server_args(offload, *plan), log, append=True)
-    srv.wait_ready(FLAGS.server_timeout_s)
-    return srv
+    banner's device budget allows (when that is not the config's)."""
+    return loadgen.start_serve(label, lambda *plan: server_args(offload, *plan), log,
+                               FLAGS.server_timeout_s, batch_from_budget=FLAGS.batch_from_budget,
+                               prog=PROG)
+
 
 
 def run_target(label: str, offload: bool | None, out: pathlib.Path) -> tuple[dict, dict]:
@@ -833,13 +520,6 @@ def targets() -> list[tuple[str, bool | None]]:
     return [("server", None)]
 
 
-def machine() -> dict:
-    d = dict(platform=platform.platform(), machine=platform.machine(),
-             python=platform.python_version(), cpu_count=os.cpu_count())
-    d["summary"] = f"client {d['machine']} {d['cpu_count']} cores"
-    return d
-
-
 def main(argv):
     if len(argv) > 1:
         cli.fail(PROG, f"unexpected arguments: {argv[1:]}")
@@ -858,7 +538,7 @@ def main(argv):
         except BenchError as err:
             cli.fail(PROG, str(err), err.code)
     report = dict(tool=PROG, scenario=FLAGS.scenario, command=" ".join(sys.argv),
-                  machine=machine(), flags={k: FLAGS[k].value for k in (
+                  machine=loadgen.machine(), flags={k: FLAGS[k].value for k in (
                       "url", "config", "checkpoint", "override", "offload", "compare_offload",
                       "device_budget_gb", "batch_from_budget", "scenario", "num_clients", "num_requests",
                       "prompt_len", "max_tokens", "request_rate", "seed", "temperature",

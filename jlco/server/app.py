@@ -46,6 +46,7 @@ class ServerState:
     model_name: str
     max_context_len: int
     api_key: str | None = None
+    index_topk: int | None = None  # the served model's top-k (jlco.validate reads it)
     codec: TextCodec | None = None
     loop: EngineLoop | None = None
     engine: Any = None
@@ -129,7 +130,8 @@ def create_app(state: ServerState) -> FastAPI:
     async def models():
         return {"object": "list", "data": [{
             "id": state.model_name, "object": "model", "created": state.created,
-            "owned_by": "jlco", "root": state.model_name, "max_model_len": state.max_context_len}]}
+            "owned_by": "jlco", "root": state.model_name, "max_model_len": state.max_context_len,
+            "index_topk": state.index_topk}]}
 
     @app.post("/v1/completions")
     async def completions(request: Request):

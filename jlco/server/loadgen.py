@@ -462,6 +462,15 @@ def progress(total: int, desc: str):
                 disable=not sys.stderr.isatty())
 
 
+def machine() -> dict:
+    """The client machine, for reports."""
+    import platform
+    d = dict(platform=platform.platform(), machine=platform.machine(),
+             python=platform.python_version(), cpu_count=os.cpu_count())
+    d["summary"] = f"client {d['machine']} {d['cpu_count']} cores"
+    return d
+
+
 # ---- statistics -------------------------------------------------------------------------
 
 def stats(xs) -> dict:
