@@ -1,4 +1,4 @@
-"""One static, validated config tree: model / cache / engine / serve.
+"""One static, validated config tree: model / cache / engine / serve / mesh.
 
 Every number has one home here. Named instances live in `configs/*.py`, each defining
 a module-level `CONFIG`; `load_config(path)` reads one. Invalid values raise
@@ -396,11 +396,36 @@ class ServeConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """The device mesh (`jlco.parallel.mesh.make_mesh`): its axes' sizes, whose product must be
+    the number of devices. The defaults (all 1) are one device, no mesh.
+
+    data:    data-parallel attention (requests split over devices); not implemented yet.
+    expert:  expert parallelism: the routed experts are split over this many devices and
+             tokens reach them by all-to-all (model.n_routed_experts must divide evenly).
+    tensor:  tensor parallelism of heads / MLP / vocabulary dimensions.
+    """
+    data: int = 1
+    expert: int = 1
+    tensor: int = 1
+
+    def __post_init__(self):
+        p = "mesh"
+        _check_types(self, p)
+        _positive(self, p, "data", "expert", "tensor")
+
+    @property
+    def num_devices(self) -> int:
+        return self.data * self.expert * self.tensor
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
     model: ModelConfig = ModelConfig()
     cache: CacheConfig = CacheConfig()
     engine: EngineConfig = EngineConfig()
     serve: ServeConfig = ServeConfig()
+    mesh: MeshConfig = MeshConfig()
     name: str = "unnamed"
 
     def __post_init__(self):

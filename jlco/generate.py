@@ -18,7 +18,12 @@ Engine: --config (default configs/tiny.py) gives the cache and engine sections. 
 to a power of two, at most the model's max_position_embeddings) and the batch is the
 number of prompts; an explicit --config's context is kept, and its larger
 max_batch_size too when its own model runs. --offload puts the MLA latent cache in host
-memory (same tokens as without it).
+memory (same tokens as without it). --mesh data=D,expert=E,tensor=T (fields left out are
+1; default: the config's `mesh` section) runs on a JAX mesh of D·E·T devices
+(`jlco.parallel`): the parameters are placed by their logical axes and the engine runs
+under the mesh, the routed experts split over E devices and the heads / MLP / vocabulary
+dimensions over T (same tokens as one device). Data-parallel attention (D > 1) is not
+implemented yet.
 
 Output: one line of tokens per prompt, or --json: {"tokens", "logprobs", "timing"} for
 --prompt_ids/--prompt, {"results": [{"tokens", "logprobs"}, ...], "timing"} for
@@ -32,6 +37,7 @@ on (`jlco.util.compile_cache`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -81,6 +87,8 @@ def define_flags() -> None:
                       "config.json dtype, else bfloat16; random model: its config's)")
     flags.DEFINE_bool("verify_checkpoint", True, "check an Orbax checkpoint's leaves against "
                       "the sha256 sums recorded at conversion (--noverify_checkpoint skips)")
+    flags.DEFINE_string("mesh", None, "device mesh, e.g. expert=4 or data=1,expert=2,tensor=1 "
+                        "(fields left out are 1; default: the config's mesh section)")
     flags.DEFINE_bool("json", False, "print JSON: {\"tokens\", \"logprobs\", \"timing\"} "
                       "(--prompts_file: {\"results\": [...], \"timing\"})")
 
@@ -310,16 +318,50 @@ def _prepare():
                          FLAGS.max_new_tokens, explicit, choice.own_model)
     offload = base.cache.offload if FLAGS.offload is None else FLAGS.offload
     over = dict(shape, cache__offload=offload, engine__num_draft_tokens=FLAGS.num_draft_tokens,
-                **({"engine__attention_impl": FLAGS.impl} if FLAGS.impl else {}))
-    base.replace(model=choice.model, **over)   # validate before loading any weight
+                **({"engine__attention_impl": FLAGS.impl} if FLAGS.impl else {}),
+                **({} if FLAGS.mesh is None else parse_mesh(FLAGS.mesh)))
+    checked = base.replace(model=choice.model, **over)   # validate before loading any weight
+    mesh = _mesh(checked)
     _say(choice.banner)
     mcfg, model = choice_lib.load_weights(choice, seed=FLAGS.seed,
                                           verify=FLAGS.verify_checkpoint,
                                           num_draft_tokens=FLAGS.num_draft_tokens)
     cfg = base.replace(model=mcfg, name=name, **over)
+    if mesh is not None:
+        from jlco.parallel.mesh import check_mesh, shard_model
+        check_mesh(cfg)        # the checkpoint's model may differ from the config's
+        shard_model(model, mesh)
     _say(f"engine: {len(ids)} prompt(s), batch {cfg.engine.max_batch_size}, context "
-         f"{cfg.engine.max_context_len}, offload {'on' if cfg.cache.offload else 'off'}")
-    return cfg, model, ids
+         f"{cfg.engine.max_context_len}, offload {'on' if cfg.cache.offload else 'off'}"
+         + ("" if mesh is None else f", mesh {dict(mesh.shape)}"))
+    return cfg, model, ids, mesh
+
+
+def parse_mesh(text: str) -> dict:
+    """--mesh 'data=D,expert=E,tensor=T' → config overrides (fields left out are 1);
+    a ValueError names the bad part and what is allowed."""
+    fields = ("data", "expert", "tensor")
+    out = {f"mesh__{f}": 1 for f in fields}
+    seen = set()
+    for part in (p.strip() for p in text.split(",")):
+        key, eq, val = part.partition("=")
+        key = key.strip()
+        if not eq or key not in fields or key in seen or not val.strip().lstrip("-").isdigit():
+            raise ValueError(f"--mesh={text!r} is invalid at {part!r}: allowed comma-separated "
+                             "data=N, expert=N, tensor=N (each at most once), e.g. expert=4")
+        seen.add(key)
+        out[f"mesh__{key}"] = int(val)
+    return out
+
+
+def _mesh(cfg):
+    """The jax mesh of cfg.mesh (None for one device), checked against the model and
+    the devices before any weight is loaded."""
+    if cfg.mesh.num_devices == 1:
+        return None
+    from jlco.parallel.mesh import check_mesh, make_mesh
+    check_mesh(cfg)
+    return make_mesh(cfg)
 
 
 def main(argv):
@@ -331,10 +373,13 @@ def main(argv):
     with cli.interruptible(PROG):
         try:
             with cli.errors_exit(PROG, ValueError, OSError, NotImplementedError):
-                cfg, model, prompts = _prepare()
+                cfg, model, prompts, mesh = _prepare()
+                import jax
+
                 from jlco.engine.core import Engine
-                engine = Engine(cfg, model)
-                reqs, timing = _decode(engine, prompts)
+                with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
+                    engine = Engine(cfg, model)
+                    reqs, timing = _decode(engine, prompts)
             results = [{"tokens": list(r.tokens), "logprobs": [float(x) for x in r.logprobs]}
                        for r in reqs]
             with cli.errors_exit(PROG, NonFiniteOutput, code=cli.FAILURE_EXIT):

@@ -24,7 +24,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import SingleDeviceSharding
 
 from jlco.config import Config
 from jlco.engine import host_driven, steps
@@ -35,6 +34,7 @@ from jlco.model.kv_cache import DecodeCache, cache_layers, init_cache, scan_buck
 from jlco.offload.latent import STAT_NAMES, OffloadLatent
 from jlco.offload.metrics import OffloadMetrics
 from jlco.offload.pages import PageAllocator
+from jlco.parallel import mesh as parallel_mesh
 from jlco.util.buckets import pow2_bucket
 
 WARMUP_QUERIES = 32   # ESS: top-k of the last 32 prefill query positions
@@ -98,7 +98,7 @@ def allocate_cache(cfg: Config) -> tuple[DecodeCache, PageAllocator | None]:
     pages_per_req = pages.num_pages // batch
     n_layers, cap, rb = cache_layers(cfg), cfg.staging_capacity, cfg.row_bytes
     if not host_driven_path:
-        host = SingleDeviceSharding(jax.devices()[0], memory_kind=cfg.cache.storage)
+        host = parallel_mesh.replicated(cfg.cache.storage)   # whole on every mesh device
         zeros = jax.jit(lambda: jnp.zeros((pages.num_pages * page, rb), jnp.uint8),
                         out_shardings=host)
     lat = OffloadLatent(
@@ -262,7 +262,7 @@ class ModelRunner:
 
     # ---- jitted functions ---------------------------------------------------------
     def cache_shardings(self):
-        return jax.tree.map(lambda x: x.sharding, self.cache)
+        return jax.tree.map(lambda x: parallel_mesh.on_mesh(x.sharding), self.cache)
 
     def jit(self, fn, donate: int, outs: tuple[str, ...]):
         """jit `fn`, donating the cache argument. Offloaded, every output's sharding is
@@ -270,7 +270,7 @@ class ModelRunner:
         come back in host memory (left to choose, jit declares device memory and fails)."""
         if not self.offload:
             return jax.jit(fn, donate_argnums=donate)
-        dev = SingleDeviceSharding(jax.devices()[0])
+        dev = parallel_mesh.replicated()
         cache = self.cache_shardings()
         shard = tuple(cache if o == "cache" else dev for o in outs)
         return jax.jit(fn, donate_argnums=donate,

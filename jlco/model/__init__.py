@@ -5,5 +5,6 @@ dispatches to `jlco.pallas`), the device decode cache with its two latent seams
 (`kv_cache`), fp8 emulation (`fp8_emul`) and chunked prefill (`decode`).
 
 May import: jax, flax, `jlco.config`, `jlco.pallas`, `jlco.offload` (the offloaded latent
-seam). Never the engine, checkpoints or planning.
+seam), `jlco.parallel` (the expert-parallel MoE under a mesh). Never the engine,
+checkpoints or planning.
 """
