@@ -338,20 +338,10 @@ def _prepare():
 
 
 def parse_mesh(text: str) -> dict:
-    """--mesh 'data=D,expert=E,tensor=T' → config overrides (fields left out are 1);
-    a ValueError names the bad part and what is allowed."""
-    fields = ("data", "expert", "tensor")
-    out = {f"mesh__{f}": 1 for f in fields}
-    seen = set()
-    for part in (p.strip() for p in text.split(",")):
-        key, eq, val = part.partition("=")
-        key = key.strip()
-        if not eq or key not in fields or key in seen or not val.strip().lstrip("-").isdigit():
-            raise ValueError(f"--mesh={text!r} is invalid at {part!r}: allowed comma-separated "
-                             "data=N, expert=N, tensor=N (each at most once), e.g. expert=4")
-        seen.add(key)
-        out[f"mesh__{key}"] = int(val)
-    return out
+    """--mesh 'data=D,expert=E,tensor=T' → config overrides (fields left out are 1), read
+    as every CLI reads --mesh (`jlco.planning.mesh`)."""
+    from jlco.planning.mesh import mesh_overrides
+    return mesh_overrides(text)
 
 
 def _mesh(cfg):

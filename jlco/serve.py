@@ -57,6 +57,8 @@ def define_flags() -> None:
                        "for (default: the accelerator's limit; on CPU the bytes the "
                        "no-offload engine needs at engine.max_batch_size)", lower_bound=0.0)
     flags.DEFINE_bool("warmup", True, "compile with one small request before ready")
+    flags.DEFINE_string("mesh", None, "device mesh, e.g. expert=4 (fields left out are 1; "
+                        "default: the config's mesh section); data > 1 is not served yet")
 
 
 def _say(msg: str) -> None:
@@ -106,6 +108,9 @@ def prepare():
     from jlco.checkpoint import choice as choice_lib
     from jlco.config import load_config
     base = apply_overrides(load_config(FLAGS.config), FLAGS.override)
+    if FLAGS.mesh is not None:
+        from jlco.planning.mesh import mesh_overrides
+        base = base.replace(**mesh_overrides(FLAGS.mesh))
     if FLAGS.offload is not None:
         base = base.replace(cache__offload=FLAGS.offload)
     if FLAGS.host is not None:
@@ -123,6 +128,10 @@ def prepare():
         raise ValueError(f"engine.max_context_len={base.engine.max_context_len} is invalid: "
                          f"allowed <= the model's max_position_embeddings ({mpe})")
     cfg = base.replace(model=choice.model, name=base.name)   # validates the joint config
+    if cfg.mesh.num_devices > 1:
+        from jlco.parallel.mesh import check_mesh, make_mesh
+        check_mesh(cfg)
+        make_mesh(cfg)          # the device count must match, before any weight loads
     return cfg, choice, FLAGS.served_model_name or name
 
 
@@ -176,6 +185,14 @@ def build_engine(cfg, choice, state) -> None:
     mcfg, model = choice_lib.load_weights(choice, seed=FLAGS.seed, verify=FLAGS.verify_checkpoint,
                                           num_draft_tokens=cfg.engine.num_draft_tokens)
     cfg = cfg.replace(model=mcfg)
+    mesh = None
+    if cfg.mesh.num_devices > 1:
+        from jlco.parallel.mesh import check_mesh, make_mesh, shard_model
+        check_mesh(cfg)             # the checkpoint's model may differ from the config's
+        mesh = make_mesh(cfg)
+        shard_model(model, mesh)
+        _say(f"mesh: {dict(mesh.shape)} over {mesh.size} devices (routed experts split over "
+             "'expert')")
     if choice.checkpoint is not None:
         codec = TextCodec.from_checkpoint(choice.checkpoint)
         if codec is None:
@@ -188,19 +205,32 @@ def build_engine(cfg, choice, state) -> None:
     for line in memory_plan(cfg, weights):
         _say(line)
     state.loading = "compiling (warm-up)"
-    engine = Engine(cfg, model)
+    with _mesh_context(mesh):
+        engine = Engine(cfg, model)
+        _warm_up(engine, cfg, mcfg)
+    state.codec, state.engine = codec, engine
+    loop = EngineLoop(engine, max_waiting=cfg.serve.max_queue,
+                      import_ttl_s=cfg.serve.import_ttl_s,
+                      on_step=state.on_step, mesh=mesh)
+    loop.start()
+    state.loop = loop
+
+
+def _mesh_context(mesh):
+    import contextlib
+
+    import jax
+    return contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh)
+
+
+def _warm_up(engine, cfg, mcfg) -> None:
+    """Compile prefill and decode with one small request (stderr says how long)."""
     if FLAGS.warmup:
         t0 = time.perf_counter()
         n = min(WARMUP_PROMPT, cfg.engine.max_context_len - 2)
         engine.generate([[(7 * i) % mcfg.vocab_size for i in range(n)]], 2)
         _say(f"warm-up: {time.perf_counter() - t0:.1f} s (prefill and decode compiled)")
         engine.check_no_leaks()
-    state.codec, state.engine = codec, engine
-    loop = EngineLoop(engine, max_waiting=cfg.serve.max_queue,
-                      import_ttl_s=cfg.serve.import_ttl_s,
-                      on_step=state.on_step)
-    loop.start()
-    state.loop = loop
 
 
 # ----------------------------------------------------------------------------- main

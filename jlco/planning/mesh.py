@@ -106,6 +106,13 @@ def parse_mesh(text: str) -> MeshShape:
     return MeshShape(**sizes)
 
 
+def mesh_overrides(text: str) -> dict:
+    """--mesh text → `Config.replace` overrides of the config's mesh section (axes left
+    out are 1), for the programs that run on a mesh (generate, serve)."""
+    shape = parse_mesh(text)
+    return {f"mesh__{a}": getattr(shape, a) for a in AXES}
+
+
 def config_mesh(cfg) -> MeshShape | None:
     """The config's mesh section (`cfg.mesh`, `jlco.config.MeshConfig`) when it declares
     more than one device; None otherwise (no section, or the all-1 default, which means

@@ -68,8 +68,11 @@ class EngineLoop:
     the engine thread after every step (metrics)."""
 
     def __init__(self, engine, *, max_waiting: int, on_step: Callable | None = None,
-                 import_ttl_s: float = 60.0):
+                 import_ttl_s: float = 60.0, mesh=None):
+        """mesh: a jax mesh the engine's model is sharded over; the engine thread runs
+        under it (`jax.set_mesh`)."""
         self.engine = engine
+        self.mesh = mesh
         self.max_waiting = max_waiting
         self.import_ttl_s = import_ttl_s
         self._last_sweep = time.monotonic()
@@ -142,6 +145,13 @@ class EngineLoop:
 
     # ---- the engine thread ----------------------------------------------------------
     def _run(self) -> None:
+        if self.mesh is None:
+            return self._serve()
+        import jax
+        with jax.set_mesh(self.mesh):
+            return self._serve()
+
+    def _serve(self) -> None:
         engine = self.engine
         while not self._stop.is_set():
             idle = not engine.has_work or self.broken

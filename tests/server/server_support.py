@@ -25,11 +25,12 @@ class ServerProcess:
     """`python -m jlco.serve ARGS --port 0`; `url` once ready (the constructor waits for
     it unless wait=False); `stop()` → exit code."""
 
-    def __init__(self, *args: str, timeout: float = 600.0, wait: bool = True):
+    def __init__(self, *args: str, timeout: float = 600.0, wait: bool = True,
+                 env: dict | None = None):
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "jlco.serve", "--port", "0", *args], cwd=ROOT,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            env={**os.environ, "JAX_PLATFORMS": "cpu"})
+            env={**os.environ, "JAX_PLATFORMS": "cpu", **(env or {})})
         self.lines: list[str] = []
         self._ready = threading.Event()
         self.url = None
