@@ -108,6 +108,23 @@ def hf_tensor_names(cfg: ModelConfig, mtp: bool) -> dict[str, tuple[int, ...]]:
     return {name: shape for name, shape, _, _ in _entries(cfg, mtp)}
 
 
+def param_sources(cfg: ModelConfig, mtp: bool) -> dict[tuple, tuple[object, tuple[str, ...]]]:
+    """Each model parameter path → (transform, HF tensor names it is built from): one name
+    for True (transpose) / False (as is) / ("heads", half); one name per expert, in expert
+    order, for "expert" (a stacked [E, in, out] parameter). The streaming loader builds
+    each parameter (or any slice of it) from this without the other tensors."""
+    _check_mtp(cfg, mtp)
+    if not mtp and cfg.num_nextn_predict_layers:
+        cfg = _without_mtp(cfg)
+    out: dict[tuple, tuple[object, tuple[str, ...]]] = {}
+    for name, _, path, how in _entries(cfg, mtp):
+        if isinstance(how, tuple) and how[0] == "expert":
+            out[path] = ("expert", out.get(path, (None, ()))[1] + (name,))
+        else:
+            out[path] = (how, (name,))
+    return out
+
+
 def _validate(cfg: ModelConfig, tensors: Mapping[str, np.ndarray], mtp: bool):
     entries = list(_entries(cfg, mtp))
     known = {e[0] for e in entries}

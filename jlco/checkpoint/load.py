@@ -1,9 +1,12 @@
 """Checkpoints: Hugging Face safetensors in (f32/bf16/f16/fp8 block-scaled), Orbax out.
 
-`load_hf_checkpoint` reads a `transformers`-layout DeepSeek-V3.2 directory (one
-`model.safetensors` or shards named by `model.safetensors.index.json`), checks every
-tensor against the expected name → shape table and dequantises fp8 weights. A wrong
-checkpoint fails here, naming the tensor and the shard, not later inside the model: a
+`open_hf_checkpoint` validates a `transformers`-layout DeepSeek-V3.2 directory (one
+`model.safetensors` or shards named by `model.safetensors.index.json`) from its headers:
+every tensor against the expected name → shape table. `load_model` then streams each
+device's slice of each weight from the memory-mapped files (`jlco.checkpoint.stream`,
+fp8 dequantised per slice); `load_hf_checkpoint` instead reads every tensor whole into
+host memory (tests and tools that compare tensors). A wrong checkpoint fails here or
+while streaming, naming the tensor and the shard, not later inside the model: a
 config.json field missing or out of range, a shape, a dtype, a NaN/Inf weight.
 
 `save_orbax` / `restore_orbax` keep a converted model as an Orbax item plus
@@ -33,20 +36,24 @@ import tqdm
 from flax import nnx
 
 from jlco.checkpoint import safetensors_io as st
-from jlco.checkpoint.hf_names import hf_tensor_names, model_from_hf
+from jlco.checkpoint.hf_names import hf_tensor_names
 from jlco.checkpoint.safetensors_io import (
     FP8_BLOCK,
     CheckpointError,
     dequantize_fp8_blocks,
 )
+from jlco.checkpoint.stream import HFIndex, Shardings, build_model, sharding_for
+from jlco.checkpoint.stream import check_finite as _check_finite
 from jlco.config import ConfigError, ModelConfig, RopeScaling, hf_dtype
 from jlco.model.decoder import DeepseekV32
 from jlco.util import atomic
 
-__all__ = ["CheckpointError", "HFCheckpoint", "ignored_tensors", "load_hf_checkpoint",
+__all__ = ["CheckpointError", "HFCheckpoint", "HFIndex", "ignored_tensors", "load_hf_checkpoint",
+           "open_hf_checkpoint",
            "expected_hf_tensors", "check_new_output", "save_orbax", "restore_orbax", "load_model",
            "read_hf_config", "checkpoint_dtype", "load_dtype",
-           "MANIFEST_NAME", "STATE_DIR", "dequantize_fp8_blocks", "FP8_BLOCK"]
+           "MANIFEST_NAME", "STATE_DIR", "SAVE_INFLIGHT_BYTES", "dequantize_fp8_blocks",
+           "FP8_BLOCK"]
 
 MANIFEST_NAME = "jlco_checkpoint.json"
 STATE_DIR = "state"
@@ -201,23 +208,19 @@ def checkpoint_dtype(path: str | os.PathLike) -> tuple[str | None, str]:
 
 def load_dtype(model_dtype: str) -> np.dtype:
     """The dtype HF tensors are read into for a model computing in `model_dtype`: f32 and
-    bf16 directly; float16 via f32 (model_from_hf casts each weight once, so bf16/fp8
+    bf16 directly; float16 via f32 (each weight is cast to the model dtype once, so bf16/fp8
     sources are not rounded twice)."""
     return np.dtype(ml_dtypes.bfloat16) if model_dtype == "bfloat16" else np.dtype(np.float32)
 
 
-def load_hf_checkpoint(path: str | os.PathLike, *, dtype: Any = np.float32,
-                       progress: bool = True, cfg_overrides: Mapping[str, Any] | None = None
-                       ) -> HFCheckpoint:
-    """Read, validate and dequantise a HF DeepSeek-V3.2 checkpoint directory.
-
-    Validation runs on the headers before any tensor data is read, so a bad 600 GB
-    checkpoint fails in seconds. MTP tensors (`model.layers.{num_hidden_layers}.*`) are
-    detected by name; when present they are validated and loaded too, and the returned
-    config's num_nextn_predict_layers says whether they were (1) or not (0).
-    """
+def open_hf_checkpoint(path: str | os.PathLike, *,
+                       cfg_overrides: Mapping[str, Any] | None = None) -> HFIndex:
+    """Validate a HF DeepSeek-V3.2 checkpoint directory from its headers alone, before
+    any tensor data is read, so a bad 600 GB checkpoint fails in seconds. MTP tensors
+    (`model.layers.{num_hidden_layers}.*`) are detected by name; when present they are
+    validated and loaded too, and the config's num_nextn_predict_layers says whether
+    they were (1) or not (0)."""
     path = pathlib.Path(path)
-    out_dt = _out_dtype(dtype)
     _hf_config_dict(path)              # is it a checkpoint at all (config.json, weights)?
     entries = st.index_checkpoint(path)
     cfg = read_hf_config(path, **dict(cfg_overrides or {}))
@@ -230,12 +233,24 @@ def load_hf_checkpoint(path: str | os.PathLike, *, dtype: Any = np.float32,
     plan, problems = _pair_scales(entries)
     problems += _validate(plan, expected, ignored_tensors(cfg))
     _raise_if(problems, path)
+    tok = path / "tokenizer.json"
+    return HFIndex(config=cfg, plan={n: plan[n] for n in plan if n in expected},
+                   has_mtp=has_mtp, path=path, tokenizer_path=tok if tok.is_file() else None)
+
+
+def load_hf_checkpoint(path: str | os.PathLike, *, dtype: Any = np.float32,
+                       progress: bool = True, cfg_overrides: Mapping[str, Any] | None = None
+                       ) -> HFCheckpoint:
+    """Read, validate and dequantise every tensor of a HF checkpoint into host memory
+    (`open_hf_checkpoint` validates; tests and tools comparing tensors use this). Loading
+    a model goes through `load_model`, which streams instead (jlco.checkpoint.stream)."""
+    out_dt = _out_dtype(dtype)
+    index = open_hf_checkpoint(path, cfg_overrides=cfg_overrides)
     tensors: dict[str, np.ndarray] = {}
-    names = [n for n in plan if n in expected]
-    bar = tqdm.tqdm(names, desc="loading HF tensors", unit="tensor", file=sys.stderr,
+    bar = tqdm.tqdm(index.plan, desc="loading HF tensors", unit="tensor", file=sys.stderr,
                     disable=not (progress and sys.stderr.isatty()))   # no bars in logs
     for name in bar:
-        e, scale = plan[name]
+        e, scale = index.plan[name]
         bar.set_postfix_str(e.file.name, refresh=False)
         raw = st.read_tensor(e)
         if e.dtype == "F8_E4M3":
@@ -244,21 +259,8 @@ def load_hf_checkpoint(path: str | os.PathLike, *, dtype: Any = np.float32,
             arr = raw.astype(out_dt)  # astype copies: the memory map is not kept alive
         _check_finite(name, e, arr)
         tensors[name] = arr
-    tok = path / "tokenizer.json"
-    return HFCheckpoint(config=cfg, tensors=tensors, has_mtp=has_mtp, path=path,
-                        tokenizer_path=tok if tok.is_file() else None)
-
-
-def _check_finite(name: str, e: st.TensorEntry, arr: np.ndarray) -> None:
-    """A NaN or Inf weight decodes to garbage (or NaN log-probs) without any error, so
-    it is a load error naming the tensor and its shard. Checked after dequantisation, so
-    a bad fp8 block scale is caught too."""
-    bad = ~np.isfinite(arr)
-    if bad.any():
-        first = tuple(int(i) for i in np.argwhere(bad)[0])
-        raise CheckpointError(f"tensor {name!r} ({e.file.name}) has {int(bad.sum())} "
-                              f"non-finite value(s) (NaN/Inf), the first at index "
-                              f"{list(first)}: allowed finite weights only")
+    return HFCheckpoint(config=index.config, tensors=tensors, has_mtp=index.has_mtp,
+                        path=index.path, tokenizer_path=index.tokenizer_path)
 
 
 # ----------------------------------------------------------------------------- Orbax
@@ -331,9 +333,25 @@ def check_new_output(path: str | os.PathLike) -> pathlib.Path:
         raise CheckpointError(str(err)) from None
 
 
+SAVE_INFLIGHT_BYTES = 1 << 30   # default cap on bytes Orbax copies to host / writes at once
+
+
+def _inflight_bytes(pure: Any, cap: int | None) -> int:
+    """Orbax's in-flight limit must admit the largest single shard of any leaf."""
+    biggest = max((max((s.data.nbytes for s in x.addressable_shards), default=0)
+                   if isinstance(x, jax.Array) else np.asarray(x).nbytes)
+                  for x in jax.tree.leaves(pure))
+    return max(int(biggest), SAVE_INFLIGHT_BYTES if cap is None else int(cap))
+
+
 def save_orbax(path: str | os.PathLike, cfg: ModelConfig, state: Any,
-               tokenizer_dir: str | os.PathLike | None = None) -> pathlib.Path:
+               tokenizer_dir: str | os.PathLike | None = None, *,
+               inflight_bytes: int | None = None) -> pathlib.Path:
     """Write `state` (nnx.State or its pure dict) as an Orbax item + config/manifest JSON.
+
+    Orbax copies each array to host before writing it; at most `inflight_bytes`
+    (default SAVE_INFLIGHT_BYTES, raised to the largest leaf shard) are copied or being
+    written at once, so saving adds a bounded amount to the model's own memory.
 
     The manifest holds each leaf's shape, dtype and sha256 (checked on restore: Orbax
     restores flipped bytes without complaint). The whole directory is built beside
@@ -348,9 +366,10 @@ def save_orbax(path: str | os.PathLike, cfg: ModelConfig, state: Any,
     manifest = {"format": "jlco-orbax", "version": _FORMAT_VERSION,
                 "model_config": _config_to_json(cfg), "checksum": "sha256", "leaves": leaves}
     with atomic.new_directory(path) as tmp:
-        ckptr = ocp.StandardCheckpointer()
-        ckptr.save(tmp / STATE_DIR, pure)
-        ckptr.wait_until_finished()
+        gb = _inflight_bytes(pure, inflight_bytes) / 1e9   # Orbax counts 10**9-byte GB
+        ckptr = ocp.Checkpointer(ocp.PyTreeCheckpointHandler(
+            save_concurrent_gb=gb, save_device_host_concurrent_gb=gb))
+        ckptr.save(tmp / STATE_DIR, args=ocp.args.PyTreeSave(pure))
         if tokenizer_dir is not None:
             for fname in _TOKENIZER_FILES:
                 src = pathlib.Path(tokenizer_dir) / fname
@@ -492,7 +511,7 @@ def checkpoint_kind(path: str | os.PathLike) -> str:
 
 
 def load_model(path: str | os.PathLike, cfg_overrides: Mapping[str, Any] | None = None,
-               *, progress: bool = True, verify: bool = True):
+               *, shardings: Shardings = None, progress: bool = True, verify: bool = True):
     """Return (ModelConfig, DeepseekV32, info) from a HF or jlco Orbax directory.
 
     For HF, `cfg_overrides` apply on top of config.json (e.g. dtype='float32'; without
@@ -500,21 +519,32 @@ def load_model(path: str | os.PathLike, cfg_overrides: Mapping[str, Any] | None 
     itself asks for, and `jlco.generate` passes that); for Orbax, they must not change
     any weight's shape or dtype (the manifest check says which), and `verify` checks
     every leaf against the sha256 recorded when it was converted.
+
+    `shardings` places each parameter: one `jax.sharding.Sharding` for all, a callable
+    (path tuple, abstract nnx.Variable carrying its logical axes) → Sharding, or a pytree
+    like the model's state with Sharding leaves; default: the first device. HF weights
+    stream (jlco.checkpoint.stream): each device's slice is read from the memory-mapped
+    files, so host memory stays near one tensor beyond the device arrays.
     """
     overrides = dict(cfg_overrides or {})
     kind = checkpoint_kind(path)
     if kind == "hf":
         cfg = read_hf_config(path, **overrides)
+        index = open_hf_checkpoint(path, cfg_overrides=overrides)
         dt = load_dtype(cfg.dtype)
-        ck = load_hf_checkpoint(path, dtype=dt, progress=progress, cfg_overrides=overrides)
-        model = model_from_hf(ck.config, ck.tensors, mtp=ck.has_mtp)
-        info = {"kind": kind, "path": str(ck.path), "has_mtp": ck.has_mtp,
-                "tokenizer_path": ck.tokenizer_path, "tensors": len(ck.tensors),
-                "bytes": ck.nbytes}
-        return ck.config, model, info
+        model = build_model(index, dt, shardings=shardings, progress=progress)
+        info = {"kind": kind, "path": str(index.path), "has_mtp": index.has_mtp,
+                "tokenizer_path": index.tokenizer_path, "tensors": len(index.plan),
+                "bytes": index.nbytes(dt)}
+        return index.config, model, info
     saved_cfg, _ = read_manifest(path)
     cfg = dataclasses.replace(saved_cfg, **overrides)
     graphdef, abstract = abstract_model(cfg)
+    if shardings is not None:
+        for p, var in nnx.to_flat_state(abstract):
+            want = var.get_value()
+            var.set_value(jax.ShapeDtypeStruct(want.shape, want.dtype,
+                                               sharding=sharding_for(shardings, tuple(p), var)))
     _, state = restore_orbax(path, abstract, verify=verify)
     model = nnx.merge(graphdef, state)
     tok = pathlib.Path(path) / "tokenizer.json"

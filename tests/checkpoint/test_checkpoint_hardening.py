@@ -302,6 +302,7 @@ def test_convert_refuses_bad_output_before_loading(hf, tmp_path, monkeypatch):
     def never(*_a, **_k):
         raise AssertionError("tensors were loaded before the output was checked")
     monkeypatch.setattr(load_mod, "load_hf_checkpoint", never)
+    monkeypatch.setattr(load_mod, "open_hf_checkpoint", never)   # what convert streams from
     (tmp_path / "afile").write_text("x")
     with pytest.raises(CheckpointError, match="output"):
         convert(str(hf / "single"), str(tmp_path / "afile" / "o"), progress=False)
