@@ -323,9 +323,14 @@ def _prepare():
     checked = base.replace(model=choice.model, **over)   # validate before loading any weight
     mesh = _mesh(checked)
     _say(choice.banner)
+    shardings = None
+    if mesh is not None:     # a checkpoint loads straight into its shards
+        from jlco.parallel.mesh import param_sharding
+        shardings = param_sharding(mesh)
     mcfg, model = choice_lib.load_weights(choice, seed=FLAGS.seed,
                                           verify=FLAGS.verify_checkpoint,
-                                          num_draft_tokens=FLAGS.num_draft_tokens)
+                                          num_draft_tokens=FLAGS.num_draft_tokens,
+                                          shardings=shardings)
     cfg = base.replace(model=mcfg, name=name, **over)
     if mesh is not None:
         from jlco.parallel.mesh import check_mesh, shard_model

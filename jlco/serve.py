@@ -182,14 +182,17 @@ def build_engine(cfg, choice, state) -> None:
     from jlco.server.loop import EngineLoop
     from jlco.server.text import TextCodec
     state.loading = "loading the model"
-    mcfg, model = choice_lib.load_weights(choice, seed=FLAGS.seed, verify=FLAGS.verify_checkpoint,
-                                          num_draft_tokens=cfg.engine.num_draft_tokens)
-    cfg = cfg.replace(model=mcfg)
-    mesh = None
+    mesh = shardings = None
     if cfg.mesh.num_devices > 1:
-        from jlco.parallel.mesh import check_mesh, make_mesh, shard_model
-        check_mesh(cfg)             # the checkpoint's model may differ from the config's
+        from jlco.parallel.mesh import check_mesh, make_mesh, param_sharding, shard_model
         mesh = make_mesh(cfg)
+        shardings = param_sharding(mesh)    # a checkpoint loads straight into its shards
+    mcfg, model = choice_lib.load_weights(choice, seed=FLAGS.seed, verify=FLAGS.verify_checkpoint,
+                                          num_draft_tokens=cfg.engine.num_draft_tokens,
+                                          shardings=shardings)
+    cfg = cfg.replace(model=mcfg)
+    if mesh is not None:
+        check_mesh(cfg)             # the checkpoint's model may differ from the config's
         shard_model(model, mesh)
         _say(f"mesh: {dict(mesh.shape)} over {mesh.size} devices (routed experts split over "
              "'expert')")

@@ -82,8 +82,9 @@ def random_choice(base, dtype: str | None, seed: int) -> ModelChoice:
 
 
 def load_weights(choice: ModelChoice, *, seed: int = 0, verify: bool = True,
-                 num_draft_tokens: int = 0):
-    """(model config, model): the checkpoint's weights, or random ones (seeded)."""
+                 num_draft_tokens: int = 0, shardings=None):
+    """(model config, model): the checkpoint's weights, or random ones (seeded).
+    `shardings` (see `load_model`): where each parameter's slices go (a mesh's)."""
     if choice.checkpoint is None:
         from flax import nnx
 
@@ -91,7 +92,8 @@ def load_weights(choice: ModelChoice, *, seed: int = 0, verify: bool = True,
         return choice.model, DeepseekV32(choice.model, rngs=nnx.Rngs(seed))
     from jlco.checkpoint.load import load_model
     path = choice.checkpoint
-    mcfg, model, info = load_model(path, {"dtype": choice.model.dtype}, verify=verify)
+    mcfg, model, info = load_model(path, {"dtype": choice.model.dtype}, verify=verify,
+                                   shardings=shardings)
     if num_draft_tokens and not info["has_mtp"]:
         raise ValueError(f"--num_draft_tokens={num_draft_tokens}: MTP is unavailable, "
                          f"checkpoint {path} has no MTP layer (model.layers."

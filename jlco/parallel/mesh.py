@@ -109,6 +109,20 @@ def spec_for(logical: tuple[str | None, ...], shape: tuple[int, ...] | None = No
     return PartitionSpec(*out)
 
 
+def param_sharding(mesh: Mesh):
+    """For `jlco.checkpoint.load.load_model(shardings=...)`: (path, abstract variable) →
+    the NamedSharding `shard_model` would give it, so a checkpoint loads straight into
+    its shards (each device reads only its slices)."""
+    mesh_shape = dict(mesh.shape)
+
+    def for_param(path, var) -> NamedSharding:
+        shape = tuple(np.shape(var.get_value()))
+        logical = tuple(var.get_metadata().get("out_sharding") or ())
+        logical = logical + (None,) * (len(shape) - len(logical))
+        return NamedSharding(mesh, spec_for(logical, shape, mesh_shape))
+    return for_param
+
+
 def shard_model(model: nnx.Module, mesh: Mesh) -> nnx.Module:
     """Place every parameter of `model` on `mesh` by its logical axes (`RULES`); the
     model is updated in place and returned. Non-parameter state is replicated."""
