@@ -176,7 +176,8 @@ print("RESULT", text.count("all_to_all"), text.count("all_reduce"),
 """
 
 
-@pytest.mark.parametrize("experts,k,ep,tp", [(6, 3, 3, 1), (8, 2, 2, 2)])
+@pytest.mark.parametrize("experts,k,ep,tp", [(6, 3, 3, 1),
+                                              pytest.param(8, 2, 2, 2, marks=pytest.mark.slow)])
 def test_moe_block_dispatches_with_all_to_all(experts, k, ep, tp):
     """The MoE block alone, 10 tokens (padded to a multiple of the expert axis): it lowers
     to three all-to-alls (tokens out, expert ids out, results back), plus a psum over
@@ -219,7 +220,8 @@ def test_expert_parallel_lowers_for_cuda_and_tpu():
     assert all(int(a2a) == 3 and int(rd) > 0 for _, a2a, rd in lines), lines
 
 
-@pytest.mark.parametrize("devices,offload", [(2, True), (4, True), (2, False)])
+@pytest.mark.parametrize("devices,offload", [(2, True), pytest.param(4, True, marks=pytest.mark.slow),
+                                             pytest.param(2, False, marks=pytest.mark.slow)])
 def test_tiny_expert_parallel_equals_one_device(prompts, tiny_reference, devices, offload):
     """(The reference ran offloaded; offload off gives the same results on one device.)"""
     got = _generate(prompts, devices, "--mesh", f"expert={devices}", offload=offload)
@@ -231,13 +233,14 @@ def test_tiny_expert_parallel_on_8_devices(prompts, tiny_reference):
     _assert_same(_generate(prompts, 8, "--mesh", "data=1,expert=8,tensor=1"), tiny_reference)
 
 
-@pytest.mark.parametrize("devices", [2, 3])
+@pytest.mark.parametrize("devices", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_six_experts_expert_parallel_equals_one_device(prompts, six_experts, six_reference,
                                                        devices):
     got = _generate(prompts, devices, "--config", str(six_experts), "--mesh", f"expert={devices}")
     _assert_same(got, six_reference)
 
 
+@pytest.mark.slow
 def test_expert_and_tensor_parallel_equals_one_device(prompts, tiny_reference):
     """expert=2 x tensor=2: experts split over "expert" and their hidden dimension over
     "tensor"; attention, dense MLP and LM head tensor-split by XLA's partitioner."""

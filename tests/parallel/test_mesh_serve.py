@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import httpx
+import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "server"))
@@ -28,6 +29,7 @@ def _one_device_tokens(prompt, n):
     return json.loads(r.stdout)["tokens"]
 
 
+@pytest.mark.slow
 def test_server_on_an_expert_parallel_mesh():
     srv = ServerProcess("--config", str(ROOT / "configs" / "tiny.py"), "--offload",
                         "--mesh", "expert=4", env=FOUR)

@@ -77,6 +77,7 @@ def test_no_traffic_is_said(starved):
     assert "(a) throughput" in proc.stdout and "(c) memory growth" in proc.stdout
 
 
+@pytest.mark.slow
 def test_healthy_server_does_not_blame_the_hot_buffer(tmp_path_factory):
     """The same file pool with a hot buffer as large as the context: ~all rows hit; the
     remaining wait is the host-driven path's per-layer sync, not capacity or threads."""

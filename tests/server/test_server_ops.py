@@ -105,6 +105,7 @@ def _chat_checkpoint(d: pathlib.Path) -> None:
         "chat_template": template}))
 
 
+@pytest.mark.slow
 def test_chat_completions_through_the_checkpoint_template(tmp_path):
     ckpt = tmp_path / "ckpt"
     _chat_checkpoint(ckpt)

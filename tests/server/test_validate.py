@@ -26,6 +26,7 @@ def _validate(*args, timeout=300):
                           capture_output=True, text=True, timeout=timeout, env=env)
 
 
+@pytest.mark.slow
 def test_config_run_passes_and_writes_reports(tmp_path):
     """Both servers started here: baseline, then offload on at batch 4 for the greedy
     prompts and restarted at its budget batch (17) for the load."""
@@ -91,11 +92,14 @@ def test_mismatch_is_detected_and_named(other_weights, tmp_path):
     assert len(rep["stability"]) == 2 and all(not s["failures"] for s in rep["stability"])
 
 
-def test_topk_needed_without_config(other_weights, tmp_path):
+def test_topk_read_from_the_servers_models_route(other_weights, tmp_path):
+    # Without --config or --topk, the top-k length comes from GET /v1/models' index_topk
+    # (tiny: 32); the two servers hold different weights, so it is a mismatch (exit 1).
     on, base = other_weights
     proc = _validate(f"--url={on.url}", f"--baseline_url={base.url}", *SMALL,
                      f"--out={tmp_path}")
-    assert_error(proc, 2, "--topk is needed for --check_lengths=topk")
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "prompt length topk (32 tokens)" in proc.stderr
 
 
 @pytest.mark.parametrize("args, needle", [

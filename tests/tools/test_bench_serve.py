@@ -96,6 +96,7 @@ def test_bad_input_is_one_line(args, needle, tmp_path):
     assert proc.stdout == ""
 
 
+@pytest.mark.slow
 def test_started_server_at_its_budget_batch(tmp_path):
     """--config starts the server here; --batch_from_budget restarts it at the largest
     batch its banner plans for the device budget (tiny, offload on: 17), then SIGTERM."""
