@@ -56,7 +56,7 @@ from jlco.model.kv_cache import DecodeCache, cache_layers
 from jlco.util.buckets import pow2_bucket
 from jlco.offload.host_pool import HostLatentPool, host_row_ids
 from jlco.offload.hot_buffer import insert_new, resolve
-from jlco.offload.latent import STAT_D2H, STAT_HITS, STAT_LOOKUPS, STAT_MISSES
+from jlco.offload.latent import STAT_D2H, STAT_HITS, STAT_LOOKUPS, STAT_MISSES, lookup_bound
 
 MIN_ROWS_PER_THREAD = 1024   # below this a split gather costs more than it saves
 
@@ -153,7 +153,7 @@ def _select(spec, leaves, cache: DecodeCache, layer, b0, iq, iw, kernel_lengths,
     table = _slice(lat.page_table, b0, nb)
     topk = jnp.where(host_row_ids(table, topk, lat.page_size) >= 0, topk, -1)
     res = resolve(_slice(lat.slot_pos[layer], b0, nb), _slice(lat.slot_stamp[layer], b0, nb),
-                  topk, lat.step, lat.policy, num_positions=lat.num_positions)
+                  topk, lat.step, lat.policy, num_positions=lookup_bound(lat, cache.scan_len))
     counts = jnp.zeros_like(lat.stats[layer]).at[
         jnp.array([STAT_LOOKUPS, STAT_HITS, STAT_MISSES])].set(
         jnp.stack([res.n_lookup.sum(), res.n_hit.sum(), res.n_miss.sum()]).astype(jnp.int32))

@@ -135,7 +135,8 @@ def latent_for_attention(cache: DecodeCache, layer: int, positions: jax.Array
     ids = b·t + position; offloaded, n = b·m hot slots and misses are fetched first."""
     cache = record_topk(cache, layer, positions)
     if isinstance(cache.latent, offload_latent.OffloadLatent):
-        lat, rows, ids = offload_latent.latent_for_attention(cache.latent, layer, positions)
+        lat, rows, ids = offload_latent.latent_for_attention(cache.latent, layer, positions,
+                                                             scan_len=cache.scan_len)
         return dataclasses.replace(cache, latent=lat), rows, ids
     lat = cache.latent[layer]
     b, t, row = lat.shape
