@@ -92,8 +92,10 @@ def test_warm_up_cuts_first_step_misses(model, prompts):
     misses = {}
     for w in (0, 32):
         eng = Engine(cfg, model, warmup_queries=w)
-        eng.submit(prompts[3], 2)
-        eng.step()   # admission (prefill + warm-up) and the first decode step
+        req = eng.submit(prompts[3], 2)
+        while not req.tokens:
+            eng.step()   # admission, prefill chunks, warm-up, the first token
+        eng.step()       # the first decode step
         misses[w] = eng.metrics.snapshot()["total"]["misses"]
     assert misses[32] < misses[0]
 
