@@ -12,6 +12,7 @@ ConfigError naming the file and line, and checks cache.storage_path on disk.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import importlib.util
 import math
@@ -545,3 +546,37 @@ def check_storage_path(storage_path: str | None, where: str = "config") -> pathl
                           "is not a writable directory; allowed a writable directory or a "
                           "path that can be created")
     return p
+
+
+def parse_override(text: str) -> tuple[str, object]:
+    """'section.field=value' → ('section__field', value); value is a Python literal when
+    it parses as one, else the string."""
+    key, sep, raw = text.partition("=")
+    sec, dot, field = key.strip().partition(".")
+    if not sep or not dot or not sec or not field:
+        raise ValueError(f"--override={text!r} is invalid: allowed section.field=value, e.g. "
+                         "engine.max_batch_size=8")
+    try:
+        val = ast.literal_eval(raw.strip())
+    except (ValueError, SyntaxError):
+        val = raw.strip()
+    return f"{sec}__{field}", val
+
+
+def apply_overrides(cfg, overrides: list[str]):
+    """The config with every --override applied, or a ValueError naming the bad one."""
+    sections = {f.name: f for f in dataclasses.fields(Config) if dataclasses.is_dataclass(
+        getattr(cfg, f.name))}
+    kw = {}
+    for text in overrides:
+        key, val = parse_override(text)
+        sec, field = key.split("__", 1)
+        if sec not in sections:
+            raise ValueError(f"--override={text!r}: unknown section {sec!r}; allowed "
+                             f"{', '.join(sorted(sections))}")
+        names = [f.name for f in dataclasses.fields(getattr(cfg, sec))]
+        if field not in names:
+            raise ValueError(f"--override={text!r}: {sec} has no field {field!r}; allowed "
+                             f"{', '.join(names)}")
+        kw[key] = val
+    return cfg.replace(**kw)

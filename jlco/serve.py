@@ -16,8 +16,6 @@ aborted, the host pool (its file too) is freed, exit 0. Bad flags or config valu
 
 from __future__ import annotations
 
-import ast
-import dataclasses
 import logging as pylog
 import pathlib
 import sys
@@ -65,48 +63,13 @@ def _say(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def parse_override(text: str) -> tuple[str, object]:
-    """'section.field=value' → ('section__field', value); value is a Python literal when
-    it parses as one, else the string."""
-    key, sep, raw = text.partition("=")
-    sec, dot, field = key.strip().partition(".")
-    if not sep or not dot or not sec or not field:
-        raise ValueError(f"--override={text!r} is invalid: allowed section.field=value, e.g. "
-                         "engine.max_batch_size=8")
-    try:
-        val = ast.literal_eval(raw.strip())
-    except (ValueError, SyntaxError):
-        val = raw.strip()
-    return f"{sec}__{field}", val
-
-
-def apply_overrides(cfg, overrides: list[str]):
-    """The config with every --override applied, or a ValueError naming the bad one."""
-    from jlco.config import Config
-    sections = {f.name: f for f in dataclasses.fields(Config) if dataclasses.is_dataclass(
-        getattr(cfg, f.name))}
-    kw = {}
-    for text in overrides:
-        key, val = parse_override(text)
-        sec, field = key.split("__", 1)
-        if sec not in sections:
-            raise ValueError(f"--override={text!r}: unknown section {sec!r}; allowed "
-                             f"{', '.join(sorted(sections))}")
-        names = [f.name for f in dataclasses.fields(getattr(cfg, sec))]
-        if field not in names:
-            raise ValueError(f"--override={text!r}: {sec} has no field {field!r}; allowed "
-                             f"{', '.join(names)}")
-        kw[key] = val
-    return cfg.replace(**kw)
-
-
 # ----------------------------------------------------------------------------- building
 
 
 def prepare():
     """Everything that can fail on bad input, before any weight: (cfg, choice, name)."""
     from jlco.checkpoint import choice as choice_lib
-    from jlco.config import load_config
+    from jlco.config import apply_overrides, load_config
     base = apply_overrides(load_config(FLAGS.config), FLAGS.override)
     if FLAGS.mesh is not None:
         from jlco.planning.mesh import mesh_overrides

@@ -145,8 +145,7 @@ def served_topk() -> int:
     """index_topk of the model the started servers will serve (a config with a model too
     big for random weights serves tiny's shape; a checkpoint its own)."""
     from jlco.checkpoint import choice as choice_lib
-    from jlco.config import load_config
-    from jlco.serve import apply_overrides
+    from jlco.config import apply_overrides, load_config
     from jlco.server.loadgen import resolve_config
     path = resolve_config(FLAGS.config) if FLAGS.config else _ROOT / "configs" / "128k.py"
     if not path.is_file():

@@ -7,7 +7,6 @@ tiny dims; hidden 136 / FFN 264 make ragged 128×128 fp8 edge blocks.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import pathlib
 import shutil
@@ -30,6 +29,7 @@ from jlco.checkpoint.load import (
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 from safetensors.torch import load_file as torch_load_file  # noqa: E402
+from checkpoint_support import fp8_tool
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 32.0,
@@ -43,14 +43,6 @@ TINY = dict(vocab_size=512, hidden_size=136, intermediate_size=264, moe_intermed
             index_head_dim=32, index_topk=32, max_position_embeddings=1024,
             rope_parameters=YARN)
 
-
-def _fp8_tool():
-    spec = importlib.util.spec_from_file_location("make_fp8", ROOT / "tools/make_fp8_checkpoint.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
     """single f32, sharded f32, bf16, fp8 + its f32 twin, all from one random model."""
@@ -60,7 +52,7 @@ def ckpts(tmp_path_factory):
     model.save_pretrained(root / "single")
     model.save_pretrained(root / "sharded", max_shard_size="300KB")
     model.to(torch.bfloat16).save_pretrained(root / "bf16")
-    _fp8_tool().make_fp8_checkpoint(root / "sharded", root / "fp8", twin=root / "twin")
+    fp8_tool().make_fp8_checkpoint(root / "sharded", root / "fp8", twin=root / "twin")
     (root / "single" / "tokenizer.json").write_text("{}")
     return root
 
@@ -390,7 +382,7 @@ def test_convert_cli_fp8_with_mtp(ckpts, tmp_path):
     cfg = load_hf_checkpoint(ckpts / "single", progress=False).config
     extra = _mtp_tensors(cfg, np.random.default_rng(4))
     src = _copy(ckpts / "single", tmp_path / "mtp", lambda t: t.update(extra))
-    _fp8_tool().make_fp8_checkpoint(src, tmp_path / "fp8", twin=tmp_path / "twin")
+    fp8_tool().make_fp8_checkpoint(src, tmp_path / "fp8", twin=tmp_path / "twin")
     out = tmp_path / "orbax"
     r = subprocess.run([sys.executable, "-m", "jlco.convert", "--checkpoint",
                         str(tmp_path / "fp8"), "--output", str(out), "--dtype", "bfloat16",

@@ -15,6 +15,7 @@ import textwrap
 import chex
 import numpy as np
 import pytest
+from checkpoint_support import fp8_tool
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -32,15 +33,6 @@ WIDE = dict(SMALL, hidden_size=512, moe_intermediate_size=256, n_routed_experts=
             num_hidden_layers=3)
 SHARD = "40MB"
 
-
-def _fp8_tool():
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("make_fp8", ROOT / "tools/make_fp8_checkpoint.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 @pytest.fixture(scope="module")
 def small(tmp_path_factory):
     root = tmp_path_factory.mktemp("small")
@@ -48,7 +40,7 @@ def small(tmp_path_factory):
     model = transformers.DeepseekV32ForCausalLM(transformers.DeepseekV32Config(**SMALL))
     model.save_pretrained(root / "sharded", max_shard_size="100KB")
     model.to(torch.bfloat16).save_pretrained(root / "bf16")
-    _fp8_tool().make_fp8_checkpoint(root / "sharded", root / "fp8", twin=root / "twin")
+    fp8_tool().make_fp8_checkpoint(root / "sharded", root / "fp8", twin=root / "twin")
     return root
 
 

@@ -121,3 +121,17 @@ def test_storage_path_checked_at_load(tmp_path):
 @pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.py")), ids=lambda p: p.stem)
 def test_shipped_configs_load(path):
     assert isinstance(load_config(path), Config)
+
+
+def test_override_strings():
+    from jlco.config import apply_overrides
+    cfg = load_config(ROOT / "configs" / "tiny.py")
+    got = apply_overrides(cfg, ["engine.max_batch_size=8", "cache.storage=pinned_host",
+                                "serve.host_high_watermark=0.9"])
+    assert got.engine.max_batch_size == 8 and got.serve.host_high_watermark == 0.9
+    for bad, needle in [("engine.max_batch_size", "section.field=value"),
+                        ("engin.max_batch_size=8", "unknown section 'engin'"),
+                        ("engine.batch=8", "engine has no field 'batch'"),
+                        ("engine.max_batch_size=0", "engine.max_batch_size")]:
+        with pytest.raises(ValueError, match=needle):
+            apply_overrides(cfg, [bad])
