@@ -38,6 +38,10 @@ def define_flags() -> None:
     flags.DEFINE_list("batches", ["1", "16", "64"], "batch sizes (every slot busy)")
     flags.DEFINE_integer("prompt_len", 256, "prompt tokens per request", lower_bound=1)
     flags.DEFINE_integer("steps", 24, "timed decode steps per batch size", lower_bound=2)
+    flags.DEFINE_integer("active", 0, "busy slots (0 = every slot of the batch)", lower_bound=0)
+    flags.DEFINE_integer("context", 0, "engine.max_context_len (0 = just enough for the "
+                         "prompts; give the config's to measure its long-context step)",
+                         lower_bound=0)
     flags.DEFINE_bool("offload", True, "latent cache in host memory")
     flags.DEFINE_string("out", None, "output directory (default out/bench_host_overhead)")
     flags.DEFINE_bool("json", False, "print the JSON on stdout (the table goes to stderr)")
@@ -45,13 +49,15 @@ def define_flags() -> None:
 
 def measure(cfg, model, batch: int) -> dict:
     from jlco.engine.core import Engine
-    cfg = cfg.replace(engine__max_batch_size=batch,
-                      engine__max_context_len=FLAGS.prompt_len + FLAGS.steps + 8)
+    from jlco.planning import roofline
+    ctx = FLAGS.context or FLAGS.prompt_len + FLAGS.steps + 8
+    cfg = cfg.replace(engine__max_batch_size=batch, engine__max_context_len=ctx)
+    active = min(FLAGS.active or batch, batch)
     eng = Engine(cfg, model)
     try:
         vocab = cfg.model.vocab_size
         prompts = [[(31 * r + 7 * i) % vocab for i in range(FLAGS.prompt_len)]
-                   for r in range(batch)]
+                   for r in range(active)]
         for p in prompts:
             eng.submit(p, FLAGS.steps + 4)
         eng.admit()                       # prefill everything first: time decode only
@@ -67,8 +73,15 @@ def measure(cfg, model, batch: int) -> dict:
         eng.check_no_leaks()
     finally:
         eng.close()
-    return {"batch": batch, "step_ms_p50": step * 1e3, "loop_ms_mean": wall * 1e3,
-            "host_ms_p50": host * 1e3, "host_share": host / step if step else None}
+    # The machine's limit for the same work: bytes / bandwidth, FLOPs / peak (drafts
+    # make s_q = 1 + num_draft_tokens query tokens per request).
+    roof = roofline.decode_step(cfg, active, FLAGS.prompt_len + FLAGS.steps // 2,
+                                s_q=1 + cfg.engine.num_draft_tokens)
+    roof_s = roof.time_s(roofline.cpu_machine())
+    return {"batch": batch, "active": active, "context": ctx, "step_ms_p50": step * 1e3,
+            "loop_ms_mean": wall * 1e3, "host_ms_p50": host * 1e3,
+            "host_share": host / step if step else None,
+            "roofline_ms": roof_s * 1e3, "step_over_roofline": step / roof_s}
 
 
 def main(argv):
@@ -104,10 +117,12 @@ def main(argv):
                                                 "cpus": __import__("os").cpu_count()},
               "rows": rows}
     _plot(rows, out / "bench_host_overhead.png")
-    lines = [f"{'batch':>6} {'step ms p50':>12} {'host ms p50':>12} {'host share':>11}"]
+    lines = [f"{'batch':>6} {'active':>6} {'step ms p50':>12} {'host ms p50':>12} "
+             f"{'host share':>11} {'roofline ms':>12} {'x roofline':>11}"]
     for r in rows:
-        lines.append(f"{r['batch']:>6} {r['step_ms_p50']:>12.2f} {r['host_ms_p50']:>12.3f} "
-                     f"{100 * r['host_share']:>10.1f}%")
+        lines.append(f"{r['batch']:>6} {r['active']:>6} {r['step_ms_p50']:>12.2f} "
+                     f"{r['host_ms_p50']:>12.3f} {100 * r['host_share']:>10.1f}% "
+                     f"{r['roofline_ms']:>12.3f} {r['step_over_roofline']:>11.1f}")
     cli.write_report(out / "bench_host_overhead.json", report, "\n".join(lines), FLAGS.json)
 
 
