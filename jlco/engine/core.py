@@ -34,7 +34,8 @@ class Engine:
             cfg.engine.max_batch_size, cfg.engine.max_context_len, cfg.model.vocab_size,
             pages=self.runner.pages,
             host_watermarks=(sv.host_high_watermark, sv.host_low_watermark),
-            device_watermarks=(sv.device_high_watermark, sv.device_low_watermark))
+            device_watermarks=(sv.device_high_watermark, sv.device_low_watermark),
+            ranks=cfg.mesh.data)
         self.step_count = 0
         self.step_seconds: list[float] = []   # wall time of each decode step (one sync)
         # Host time of each step that did not overlap the device: scheduling, dispatch,

@@ -33,7 +33,8 @@ from jlco.model.decode import _logits, prefill
 from jlco.model.kv_cache import DecodeCache, cache_layers, init_cache, scan_bucket
 from jlco.offload.latent import STAT_NAMES, OffloadLatent
 from jlco.offload.metrics import OffloadMetrics
-from jlco.offload.pages import PageAllocator
+from jlco.offload.pages import PageAllocator, RankedPages
+from jlco.parallel import data as parallel_data
 from jlco.parallel import mesh as parallel_mesh
 from jlco.util.buckets import pow2_bucket
 
@@ -47,13 +48,18 @@ def _chunk_rows(cfg: Config) -> int:
     return max(0, min(cfg.cache.prefetch_window, cfg.staging_capacity))
 
 
-def host_pages(cfg: Config) -> PageAllocator | None:
+def host_pages(cfg: Config) -> PageAllocator | RankedPages | None:
     """The host page allocator of an offloaded engine (None with offload off): enough
-    pages for every slot at engine.max_context_len."""
+    pages for every slot at engine.max_context_len; with mesh.data > 1 one pool per data
+    rank (`RankedPages`, rank-local page ids)."""
     if not cfg.cache.offload:
         return None
     page = cfg.cache.page_size
     pages_per_req = -(-cfg.engine.max_context_len // page)
+    ranks = cfg.mesh.data
+    if ranks > 1:
+        parallel_data.check_batch(cfg.engine.max_batch_size, ranks)
+        return RankedPages(ranks, cfg.engine.max_batch_size // ranks * pages_per_req, page)
     return PageAllocator(cfg.engine.max_batch_size * pages_per_req, page)
 
 
@@ -86,7 +92,34 @@ def allocate_cache(cfg: Config) -> tuple[DecodeCache, PageAllocator | None]:
     """The engine's batch cache for `cfg.engine.max_batch_size` slots and, offloaded, its
     host page allocator. Offloaded, the latent cache is a host pool per layer (in
     `cfg.cache.storage` memory) behind a device hot buffer; `device_cache_bytes` counts
-    exactly this allocation."""
+    exactly this allocation. Under a mesh with data ranks every leaf is split over them
+    (`jlco.parallel.data.cache_specs`), allocated in place by one jit."""
+    if parallel_data.data_size() > 1:
+        return _allocate_split(cfg)
+    return _allocate(cfg)
+
+
+def _allocate_split(cfg: Config) -> tuple[DecodeCache, PageAllocator | None]:
+    """`_allocate` with every leaf created in its data-rank shard (nothing whole first)."""
+    ranks = parallel_data.data_size()
+    if cfg.mesh.data != ranks:
+        raise ValueError(f"mesh.data={cfg.mesh.data} but the active mesh has {ranks} data "
+                         "ranks: build the engine under jax.set_mesh(make_mesh(cfg))")
+    parallel_data.check_batch(cfg.engine.max_batch_size, ranks)
+    pages = None
+
+    def build():
+        nonlocal pages
+        cache, pages = _allocate(cfg, host_memory=False)
+        return cache
+    shapes = jax.eval_shape(build)
+    mesh = parallel_mesh.active_mesh()
+    shardings = parallel_data.cache_shardings(shapes, mesh, cfg.cache.storage)
+    return jax.jit(build, out_shardings=shardings)(), pages
+
+
+def _allocate(cfg: Config, host_memory: bool = True
+              ) -> tuple[DecodeCache, PageAllocator | None]:
     pages = host_pages(cfg)
     if pages is None:
         return init_cache(cfg), None
@@ -97,10 +130,13 @@ def allocate_cache(cfg: Config) -> tuple[DecodeCache, PageAllocator | None]:
     batch, page = cfg.engine.max_batch_size, cfg.cache.page_size
     pages_per_req = pages.num_pages // batch
     n_layers, cap, rb = cache_layers(cfg), cfg.staging_capacity, cfg.row_bytes
-    if not host_driven_path:
+    if not host_driven_path and host_memory:
         host = parallel_mesh.replicated(cfg.cache.storage)   # whole on every mesh device
         zeros = jax.jit(lambda: jnp.zeros((pages.num_pages * page, rb), jnp.uint8),
                         out_shardings=host)
+    elif not host_driven_path:   # traced by `_allocate_split`, which places it
+        def zeros():
+            return jnp.zeros((pages.num_pages * page, rb), jnp.uint8)
     lat = OffloadLatent(
         rows=jnp.zeros((n_layers, batch, cap, rb), jnp.uint8),
         slot_pos=jnp.full((n_layers, batch, cap), -1, jnp.int32),
@@ -116,8 +152,9 @@ def device_cache_bytes(cfg: Config, batch: int) -> int:
     """Device bytes of the cache `allocate_cache` makes for `batch` slots, from its
     abstract shapes (nothing is allocated, so real-model configs are cheap): every leaf
     but the offloaded host pool (`OffloadLatent.host`) lives in device memory."""
-    cfg = cfg.replace(engine__max_batch_size=batch)
-    shapes = jax.eval_shape(lambda: allocate_cache(cfg)[0])
+    # Whole-batch shapes (data ranks split the same bytes, and need not divide `batch`).
+    cfg = cfg.replace(engine__max_batch_size=batch, mesh__data=1)
+    shapes = jax.eval_shape(lambda: _allocate(cfg)[0])
     host = shapes.latent.host if isinstance(shapes.latent, OffloadLatent) else ()
     return _nbytes(shapes) - _nbytes(host)
 
@@ -246,7 +283,8 @@ class ModelRunner:
             self.cache = dataclasses.replace(self.cache, record=jnp.full(
                 (cache_layers(cfg), self.batch, 1, cfg.model.index_topk), -1, jnp.int32))
         self._jit_step = self.host.decode_step if self.host is not None else self.jit(
-            functools.partial(steps.decode_step, impl=self.impl), 2, ("dev", "dev", "cache"))
+            functools.partial(steps.decode_step, impl=self.impl), 2, ("batch", "batch", "cache"),
+            ("rep", "rep", "cache") + ("batch",) * 7)
         # Speculative decoding replaces decode() and the prefill pieces.
         self.spec = None
         if cfg.engine.num_draft_tokens:
@@ -264,10 +302,15 @@ class ModelRunner:
     def cache_shardings(self):
         return jax.tree.map(lambda x: parallel_mesh.on_mesh(x.sharding), self.cache)
 
-    def jit(self, fn, donate: int, outs: tuple[str, ...]):
+    def jit(self, fn, donate: int, outs: tuple[str, ...], roles: tuple[str, ...] = ()):
         """jit `fn`, donating the cache argument. Offloaded, every output's sharding is
         pinned ("cache" = the cache's own shardings, else the device): the host pool must
-        come back in host memory (left to choose, jit declares device memory and fails)."""
+        come back in host memory (left to choose, jit declares device memory and fails).
+        With data-parallel attention `fn` runs per data rank (`parallel_data.per_rank`;
+        `roles` name its arguments, `outs` its outputs: "cache", "batch" [b, ...] per
+        slot, "rep" replicated, "sum" summed over ranks)."""
+        if roles:
+            fn = parallel_data.per_rank(fn, roles, outs)
         if not self.offload:
             return jax.jit(fn, donate_argnums=donate)
         dev = parallel_mesh.replicated()
@@ -280,19 +323,20 @@ class ModelRunner:
     def _jit_forward(self):
         if self.host is not None:
             return self.host.forward
-        return self.jit(functools.partial(steps.forward, impl=self.impl), 2, ("dev", "cache"))
+        return self.jit(functools.partial(steps.forward, impl=self.impl), 2, ("batch", "cache"),
+                        ("rep", "rep", "cache", "batch", "batch"))
 
     @functools.cached_property
     def _jit_install(self):
         if self.host is not None:
             return self.host.install
-        return self.jit(steps.install, 0, ("cache",))
+        return self.jit(steps.install_on_rank, 0, ("cache",), ("cache", "rep", "rep", "rep", "rep"))
 
     @functools.cached_property
     def _jit_warm_up(self):
         if self.host is not None:
             return self.host.warm_up
-        return self.jit(steps.warm_up, 0, ("cache", "dev"))
+        return self.jit(steps.warm_up_on_rank, 0, ("cache", "sum"), ("cache", "rep", "rep"))
 
     # ---- prefill ------------------------------------------------------------------
     def start_prefill(self, req: Request, page_row: np.ndarray | None, *,

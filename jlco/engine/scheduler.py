@@ -13,6 +13,12 @@ Admission is first come, first served: the head of the queue waits until a slot 
 and, offloaded, until the host pool has the pages for its whole context
 (prompt + max_new_tokens); requests behind it wait too (no overtaking, so a long request
 is never starved by short ones).
+
+With data-parallel attention (`ranks` > 1, `jlco.parallel.data`) the slots are split in
+`ranks` contiguous blocks and the host pool in one page pool per rank
+(`RankedPages`): a request is pinned at admission to the rank, among those with a free
+slot and room for its pages, whose host pool is least used (then: fewest running
+requests, lowest rank), and keeps its slot and pages there until it ends.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ import dataclasses
 import itertools
 from typing import Iterable, Sequence
 
-from jlco.offload.pages import PageAllocator
+from jlco.offload.pages import PageAllocator, RankedPages
 
 STATUSES = ("waiting", "running", "finished", "aborted")
 FINISH_REASONS = ("length", "stop", "abort")
@@ -82,14 +88,22 @@ class Scheduler:
     (None with the latent cache on device: then only slots limit admission)."""
 
     def __init__(self, num_slots: int, max_context_len: int, vocab_size: int,
-                 pages: PageAllocator | None = None, *,
+                 pages: PageAllocator | RankedPages | None = None, *,
                  host_watermarks: tuple[float, float] | None = None,
-                 device_watermarks: tuple[float, float] | None = None):
+                 device_watermarks: tuple[float, float] | None = None, ranks: int = 1):
         """host_watermarks / device_watermarks: (high, low) fractions of the host pool's
         pages / of the batch slots; above `high` admission pauses until usage is at most
-        `low` again (None: no watermark)."""
+        `low` again (None: no watermark). ranks: data-parallel attention ranks (slots
+        split evenly; with pages, a RankedPages of as many ranks)."""
         if not isinstance(num_slots, int) or num_slots < 1:
             raise ValueError(f"num_slots={num_slots!r}: allowed an integer >= 1")
+        if not isinstance(ranks, int) or ranks < 1 or num_slots % ranks:
+            raise ValueError(f"ranks={ranks!r}: allowed an integer >= 1 dividing "
+                             f"num_slots={num_slots}")
+        if ranks > 1 and pages is not None and len(getattr(pages, "ranks", ())) != ranks:
+            raise ValueError(f"pages: a RankedPages of {ranks} ranks is needed with ranks={ranks}")
+        self.num_ranks = ranks
+        self.admitted_per_rank = [0] * ranks   # requests pinned to each rank so far
         for name, marks in (("host_watermarks", host_watermarks),
                             ("device_watermarks", device_watermarks)):
             if marks is not None and not 0 < marks[1] < marks[0] <= 1:
@@ -153,10 +167,10 @@ class Scheduler:
             raise RequestError(f"context {context_len} + max_new_tokens {max_new_tokens} "
                                f"exceeds engine.max_context_len={self.max_context_len}")
         req = Request(next(self._ids), [], max_new_tokens)
-        if self.pages is not None:
-            self.pages.reserve(req.id, context_len + max_new_tokens)
+        rank = self._choose_rank(context_len + max_new_tokens)
+        self._reserve(req.id, context_len + max_new_tokens, 0 if rank is None else rank)
         self.requests[req.id] = req
-        self._place(req)
+        self._place(req, rank)
         return req
 
     def abort(self, request_id: int) -> None:
@@ -185,12 +199,12 @@ class Scheduler:
         admitted = []
         while self.waiting and None in self.slots and self.admission_paused() is None:
             req = self.waiting[0]
-            if self.pages is not None:
-                if self.pages.pages_needed(req.context_len) > self.pages.free_pages:
-                    break   # waits until pages come back
-                self.pages.reserve(req.id, req.context_len)
+            rank = self._choose_rank(req.context_len)
+            if rank is None:
+                break   # waits until pages come back
+            self._reserve(req.id, req.context_len, rank)
             self.waiting.pop(0)
-            self._place(req)
+            self._place(req, rank)
             admitted.append(req)
         decodes = tuple(r for r in self.slots if r is not None and r.tokens)
         return SchedulerOutput(tuple(admitted), decodes)
@@ -248,10 +262,52 @@ class Scheduler:
         if self.pages is not None:
             self.pages.check(expect_requests=set(owners))
 
-    def _place(self, req: Request) -> None:
-        slot = self.slots.index(None)
+    def rank_of_slot(self, slot: int) -> int:
+        return slot // (len(self.slots) // self.num_ranks)
+
+    def rank_usage(self) -> list[dict[str, float]]:
+        """Per data rank: running requests and, offloaded, the fraction of its host
+        pages in use."""
+        per = len(self.slots) // self.num_ranks
+        out = []
+        for r in range(self.num_ranks):
+            use = {"running": float(sum(s is not None for s in self.slots[r * per:(r + 1) * per]))}
+            if self.pages is not None:
+                use["host"] = (self.pages.usage(r) if self.num_ranks > 1 else
+                               self.pages.used_pages / self.pages.num_pages)
+            out.append(use)
+        return out
+
+    def _choose_rank(self, num_tokens: int) -> int | None:
+        """The rank a new request of `num_tokens` positions goes to (a free slot and, with
+        pages, room for them there; least-used host pool first), None when none fits."""
+        per = len(self.slots) // self.num_ranks
+        fits = []
+        for r, use in enumerate(self.rank_usage()):
+            if None not in self.slots[r * per:(r + 1) * per]:
+                continue
+            if self.pages is not None:
+                pool = self.pages.ranks[r] if self.num_ranks > 1 else self.pages
+                if pool.pages_needed(num_tokens) > pool.free_pages:
+                    continue
+            fits.append((use.get("host", 0.0), use["running"], r))
+        return min(fits)[2] if fits else None
+
+    def _reserve(self, request_id: int, num_tokens: int, rank: int) -> None:
+        if self.pages is None:
+            return
+        if self.num_ranks > 1:
+            self.pages.reserve(request_id, num_tokens, rank)
+        else:
+            self.pages.reserve(request_id, num_tokens)
+
+    def _place(self, req: Request, rank: int | None = None) -> None:
+        per = len(self.slots) // self.num_ranks
+        lo = 0 if rank is None else rank * per
+        slot = self.slots.index(None, lo, len(self.slots) if rank is None else lo + per)
         req.slot, req.status = slot, "running"
         self.slots[slot] = req
+        self.admitted_per_rank[self.rank_of_slot(slot)] += 1
 
     def _release(self, req: Request, status: str, reason: str) -> None:
         req.status, req.finish_reason = status, reason

@@ -19,6 +19,7 @@ from jlco.offload.fetch import fetch_in_jit
 from jlco.offload.host_pool import host_row_ids, scatter_to_host
 from jlco.offload.hot_buffer import resolve
 from jlco.offload.latent import OffloadLatent
+from jlco.parallel import data as parallel_data
 
 
 def sampling_logits(logits, temps, top_ps, top_ks):
@@ -115,11 +116,11 @@ def install(cache: DecodeCache, temp: DecodeCache, slot, n, page_row):
     length n. Offloaded: latent rows go to the host pool at the request's pages
     (page_row int32 [P]) and its hot-buffer slots are emptied."""
     def put(big, small):   # per-layer tuples: [b, ...] <- [1, ...]
-        return tuple(x.at[slot].set(y[0]) for x, y in zip(big, small))
+        return tuple(x.at[slot].set(y[0], mode="drop") for x, y in zip(big, small))
     new = dataclasses.replace(
         cache, index_k=put(cache.index_k, temp.index_k),
         index_scale=None if cache.index_scale is None else put(cache.index_scale, temp.index_scale),
-        lengths=cache.lengths.at[slot].set(n))
+        lengths=cache.lengths.at[slot].set(n, mode="drop"))
     if not isinstance(cache.latent, OffloadLatent):
         return dataclasses.replace(new, latent=put(cache.latent, temp.latent))
     lat = cache.latent
@@ -128,9 +129,30 @@ def install(cache: DecodeCache, temp: DecodeCache, slot, n, page_row):
     ids = host_row_ids(page_row[None], positions, lat.page_size)[0]
     host = tuple(scatter_to_host(h, ids, temp.latent[i][0]) for i, h in enumerate(lat.host))
     lat = dataclasses.replace(
-        lat, host=host, page_table=lat.page_table.at[slot].set(page_row),
-        slot_pos=lat.slot_pos.at[:, slot].set(-1), slot_stamp=lat.slot_stamp.at[:, slot].set(-1))
+        lat, host=host, page_table=lat.page_table.at[slot].set(page_row, mode="drop"),
+        slot_pos=lat.slot_pos.at[:, slot].set(-1, mode="drop"),
+        slot_stamp=lat.slot_stamp.at[:, slot].set(-1, mode="drop"))
     return dataclasses.replace(new, latent=lat)
+
+
+def install_on_rank(cache: DecodeCache, temp: DecodeCache, slot, n, page_row):
+    """`install` as one data rank runs it (`jlco.parallel.data.per_rank`): the rank that
+    owns global slot `slot` writes it and its pool block, the others nothing. Without
+    data ranks, `install`."""
+    if parallel_data.data_size() > 1:
+        slot = parallel_data.local_slot(slot, cache.batch)
+        if page_row is not None:
+            page_row = jnp.where(slot < cache.batch, page_row, -1)
+    return install(cache, temp, slot, n, page_row)
+
+
+def warm_up_on_rank(cache: DecodeCache, slot, record):
+    """`warm_up` as one data rank runs it: the owner of global slot `slot` warms it, the
+    others look nothing up (their fetched count is 0). Without data ranks, `warm_up`."""
+    if parallel_data.data_size() > 1:
+        slot = parallel_data.local_slot(slot, cache.batch)
+        record = jnp.where(slot < cache.batch, record, -1)
+    return warm_up(cache, slot, record)
 
 
 def warm_up(cache: DecodeCache, slot, record):
@@ -153,8 +175,9 @@ def warm_up(cache: DecodeCache, slot, record):
         r, p, s, fetched = jax.lax.fori_loop(
             0, record.shape[1], body,
             (rows[layer, slot], pos[layer, slot], stamp[layer, slot], fetched))
-        rows, pos, stamp = (rows.at[layer, slot].set(r), pos.at[layer, slot].set(p),
-                            stamp.at[layer, slot].set(s))
+        rows, pos, stamp = (rows.at[layer, slot].set(r, mode="drop"),
+                            pos.at[layer, slot].set(p, mode="drop"),
+                            stamp.at[layer, slot].set(s, mode="drop"))
     lat = dataclasses.replace(lat, rows=rows, slot_pos=pos, slot_stamp=stamp)
     return dataclasses.replace(cache, latent=lat), fetched
 

@@ -121,3 +121,89 @@ class PageAllocator:
         if expect_requests is not None and set(self._pages) != set(expect_requests):
             raise PageLeakError(f"live requests {sorted(map(repr, self._pages))} != expected "
                                 f"{sorted(map(repr, expect_requests))}")
+
+
+class RankedPages:
+    """The host pools of `ranks` data ranks (`jlco.parallel.data`), one PageAllocator of
+    `pages_per_rank` pages each: a request's pages all come from the rank it is pinned to
+    at its first `reserve`, and its page ids are local to that rank's pool block. Counts
+    (num_pages, free_pages, used_pages) are over all ranks; the PageAllocator interface
+    otherwise holds, so one-rank engines and tests read both alike."""
+
+    def __init__(self, ranks: int, pages_per_rank: int, page_size: int):
+        if not isinstance(ranks, int) or isinstance(ranks, bool) or ranks < 1:
+            raise ValueError(f"RankedPages: ranks={ranks!r} is invalid: allowed an integer >= 1")
+        self.ranks = [PageAllocator(pages_per_rank, page_size) for _ in range(ranks)]
+        self.page_size = page_size
+        self.pages_per_rank = pages_per_rank
+        self.num_pages = ranks * pages_per_rank
+        self._rank: dict[Hashable, int] = {}
+
+    @property
+    def free_pages(self) -> int:
+        return sum(a.free_pages for a in self.ranks)
+
+    @property
+    def used_pages(self) -> int:
+        return self.num_pages - self.free_pages
+
+    @property
+    def requests(self) -> tuple[Hashable, ...]:
+        return tuple(self._rank)
+
+    def pages_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    def rank_of(self, request_id: Hashable) -> int | None:
+        return self._rank.get(request_id)
+
+    def usage(self, rank: int) -> float:
+        """Fraction of `rank`'s pages in use."""
+        a = self.ranks[rank]
+        return a.used_pages / a.num_pages
+
+    def pages_of(self, request_id: Hashable) -> tuple[int, ...]:
+        r = self._rank.get(request_id)
+        return () if r is None else self.ranks[r].pages_of(request_id)
+
+    def reserve(self, request_id: Hashable, num_tokens: int, rank: int | None = None
+                ) -> tuple[int, ...]:
+        """PageAllocator.reserve on the request's rank: the one it already holds pages on,
+        else `rank`, else the rank with the most free pages. Page ids are rank-local."""
+        held = self._rank.get(request_id)
+        if held is not None and rank is not None and rank != held:
+            raise ValueError(f"reserve: request {request_id!r} holds pages on rank {held}, "
+                             f"not rank {rank}")
+        if held is None and rank is None:
+            rank = max(range(len(self.ranks)), key=lambda r: (self.ranks[r].free_pages, -r))
+        r = held if held is not None else rank
+        if not 0 <= r < len(self.ranks):
+            raise ValueError(f"reserve: rank={r!r} is invalid: allowed 0..{len(self.ranks) - 1}")
+        pages = self.ranks[r].reserve(request_id, num_tokens)
+        self._rank[request_id] = r
+        return pages
+
+    def release(self, request_id: Hashable) -> int:
+        r = self._rank.pop(request_id, None)
+        return 0 if r is None else self.ranks[r].release(request_id)
+
+    def page_table(self, request_ids: Sequence[Hashable | None], max_pages: int) -> np.ndarray:
+        """As PageAllocator.page_table, with each request's rank-local page ids."""
+        table = np.full((len(request_ids), max_pages), -1, np.int32)
+        for i, rid in enumerate(request_ids):
+            if rid is None:
+                continue
+            r = self._rank.get(rid)
+            if r is None:
+                raise KeyError(f"page_table: request {rid!r} holds no pages")
+            table[i] = self.ranks[r].page_table([rid], max_pages)[0]
+        return table
+
+    def check(self, expect_requests: Iterable[Hashable] | None = None) -> None:
+        for r, a in enumerate(self.ranks):
+            a.check(expect_requests=None)
+            if set(a.requests) != {rid for rid, k in self._rank.items() if k == r}:
+                raise PageLeakError(f"rank {r}: its pool's requests disagree with the rank map")
+        if expect_requests is not None and set(self._rank) != set(expect_requests):
+            raise PageLeakError(f"live requests {sorted(map(repr, self._rank))} != expected "
+                                f"{sorted(map(repr, expect_requests))}")

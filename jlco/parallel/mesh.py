@@ -12,9 +12,10 @@ Every parameter names its logical axes where it is defined (`jlco.model.layers.p
 
 A dimension whose size the mesh axis does not divide stays replicated (correct, only less
 split), except the routed experts: `check_mesh` refuses n_routed_experts % expert != 0 at
-start-up. The decode cache is replicated: with data = 1 every device runs attention for
-every request; so is the offloaded host pool, one copy in each device's host memory
-(host memory grows with the mesh until data-parallel attention splits requests).
+start-up. With data = 1 the decode cache is replicated: every device runs attention for
+every request, and the offloaded host pool has one copy in each device's host memory.
+With data > 1 (`jlco.parallel.data`) the batch slots, their caches and the host pool are
+split over the data ranks, and the engine's steps run per rank.
 
 The mesh's axis types are Auto: XLA's SPMD partitioner propagates the parameter
 shardings through the jitted steps (tensor parallelism of the attention, dense MLP,
@@ -75,9 +76,10 @@ def check_mesh(cfg: Config) -> None:
                          f"mesh.expert={m.expert}: every expert-parallel device must hold the "
                          "same number of routed experts; allowed mesh.expert dividing "
                          f"{model.n_routed_experts}")
-    if m.data > 1:
-        raise NotImplementedError(f"mesh.data={m.data}: data-parallel attention is not "
-                                  "implemented yet; use mesh.data=1")
+    if cfg.engine.max_batch_size % m.data:
+        raise ValueError(f"engine.max_batch_size={cfg.engine.max_batch_size} is not divisible "
+                         f"by mesh.data={m.data}: every data rank holds the same number of "
+                         f"batch slots; allowed a multiple of {m.data}")
     if m.num_devices > 1 and cfg.engine.num_draft_tokens:
         raise NotImplementedError(f"engine.num_draft_tokens={cfg.engine.num_draft_tokens} with "
                                   "a mesh: speculative decoding is single-device for now")

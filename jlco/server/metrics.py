@@ -75,6 +75,7 @@ class _EngineCollector:
         running.add_metric([], sum(r is not None for r in list(sched.slots)))
         waiting.add_metric([], len(sched.waiting))
         yield from (running, waiting)
+        yield from _rank_metrics(sched)
         m = eng.metrics
         if m is not None:
             lookups = CounterMetricFamily("jlco_cache_lookups", "Hot-buffer lookups (rows)",
@@ -123,6 +124,26 @@ class _EngineCollector:
                                       value=spec.drafted)
             yield CounterMetricFamily("jlco_mtp_accepted_tokens", "Draft tokens accepted",
                                       value=spec.accepted)
+
+
+def _rank_metrics(sched):
+    """Per data rank (`jlco.parallel.data`; one rank without it): running requests,
+    requests pinned to it so far, and the fraction of its host pool in use."""
+    running = GaugeMetricFamily("jlco_data_rank_requests_running",
+                                "Requests in the batch slots of a data rank", labels=["rank"])
+    admitted = CounterMetricFamily("jlco_data_rank_requests_admitted",
+                                   "Requests pinned to a data rank at admission",
+                                   labels=["rank"])
+    pool = GaugeMetricFamily("jlco_data_rank_host_pool_usage",
+                             "Fraction of a data rank's host pool pages in use", labels=["rank"])
+    for rank, (use, n) in enumerate(zip(sched.rank_usage(), list(sched.admitted_per_rank))):
+        running.add_metric([str(rank)], use["running"])
+        admitted.add_metric([str(rank)], n)
+        if "host" in use:
+            pool.add_metric([str(rank)], use["host"])
+    yield from (running, admitted)
+    if sched.pages is not None:
+        yield pool
 
 
 def _cache_layers(cfg) -> int:

@@ -1,5 +1,6 @@
-"""The server on a 4-device CPU mesh (routed experts split over `expert`): concurrent
-requests all finish, with the tokens `python -m jlco.generate` gives on one device."""
+"""The server on a 4-device CPU mesh (routed experts split over `expert`; and with
+data-parallel attention, requests spread over two data ranks): concurrent requests all
+finish, with the tokens `python -m jlco.generate` gives on one device."""
 
 from __future__ import annotations
 
@@ -46,6 +47,35 @@ def test_server_on_an_expert_parallel_mesh():
         got = asyncio.run(crowd())
         assert all(len(t) == 6 for t in got)
         assert got[1] == _one_device_tokens(PROMPTS[1], 6)
+    finally:
+        assert srv.stop() == 0, srv.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_server_spreads_requests_over_data_ranks():
+    """data=2 x expert=2: the 4 concurrent requests are pinned to both data ranks
+    (`jlco_data_rank_requests_admitted`), and each gets its one-device tokens."""
+    srv = ServerProcess("--config", str(ROOT / "configs" / "tiny.py"), "--offload",
+                        "--mesh", "data=2,expert=2", env=FOUR)
+    try:
+        assert "mesh: {'data': 2, 'expert': 2, 'tensor': 1}" in srv.stderr
+
+        async def crowd():
+            async with httpx.AsyncClient(base_url=srv.url, timeout=300) as ac:
+                rs = await asyncio.gather(*(ac.post("/v1/completions", json={
+                    "prompt": p, "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+                    "return_token_ids": True}) for p in PROMPTS))
+                metrics = (await ac.get("/metrics")).text
+                return [r.json()["choices"][0]["token_ids"] for r in rs], metrics
+
+        got, metrics = asyncio.run(crowd())
+        admitted = {line.split('"')[1]: float(line.split()[-1]) for line in metrics.splitlines()
+                    if line.startswith("jlco_data_rank_requests_admitted_total{")}
+        # 2 slots per rank and 4 requests at once: 2 on each (rank 0 also took the
+        # start-up warm-up request).
+        assert set(admitted) == {"0", "1"} and min(admitted.values()) >= 2, metrics
+        for i in (0, 3):
+            assert got[i] == _one_device_tokens(PROMPTS[i], 6)
     finally:
         assert srv.stop() == 0, srv.stderr[-3000:]
 
