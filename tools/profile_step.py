@@ -15,6 +15,7 @@ prompt of the same length. Op time is the XLA:CPU thunk time summed per family
 from __future__ import annotations
 
 import collections
+import dataclasses
 import glob
 import gzip
 import json
@@ -37,9 +38,13 @@ from jlco.config import load_config  # noqa: E402
 from jlco.engine import synthetic  # noqa: E402
 from jlco.engine.core import Engine  # noqa: E402
 from jlco.model.decoder import DeepseekV32  # noqa: E402
+from jlco.model.kv_cache import scan_bucket  # noqa: E402
 
 FLAGS = flags.FLAGS
-FAMILIES = ("indexer", "sparse_mla", "moe", "/mla/")
+# Offload's own work first (it runs inside the mla scope): the miss fetch, the hot-buffer
+# lookup around it, and writing new rows to the host pool and hot buffer.
+FAMILIES = ("offload_fetch_in_jit", "offload_latent_for_attention", "offload_write_latent",
+            "indexer", "sparse_mla", "moe", "/mla/")
 
 
 def define_flags() -> None:
@@ -100,8 +105,12 @@ def profile_decode(model, context: int) -> dict:
         eng.step()
     run = eng.runner
     b = run.batch
-    args = (run.graphdef, run.state, run.cache, np.zeros((b, 1), np.int32), np.ones((b,), bool),
-            np.zeros((b,), np.float32), np.zeros((b,), np.uint32), np.zeros((b,), np.int32))
+    # The step's own arguments, with the scan bucket the engine chose (`ModelRunner.dispatch`).
+    scan = scan_bucket(int(run.slot_len.max()) + 1, run.max_len)
+    args = (run.graphdef, run.state, dataclasses.replace(run.cache, scan_len=scan),
+            np.zeros((b, 1), np.int32), np.ones((b,), bool), np.zeros((b,), np.float32),
+            np.zeros((b,), np.uint32), np.zeros((b,), np.int32), np.ones((b,), np.float32),
+            np.zeros((b,), np.int32))
     trace_dir = os.path.join(FLAGS.out, f"trace_decode_{context}")
     shutil.rmtree(trace_dir, ignore_errors=True)
     with jax.profiler.trace(trace_dir, create_perfetto_trace=True):

@@ -73,8 +73,8 @@ def experts_parallel(x, w, ids, gate, up, down):
                          out_specs=split)
     with jax.named_scope("expert_parallel"):
         y = body(x, w, ids, gate, up, down)
-        # The token shards re-join here: the residual stream, attention and the decode
-        # cache stay replicated (data = 1), as on one device.
+        # The token shards re-join here: the residual stream is replicated over "expert"
+        # (with data ranks, this runs inside each rank's step on the rank's own tokens).
         return jax.lax.with_sharding_constraint(y, PartitionSpec())[:n]
 
 
