@@ -25,6 +25,13 @@ under the mesh, the routed experts split over E devices and the heads / MLP / vo
 dimensions over T (same tokens as one device). Data-parallel attention (D > 1) is not
 implemented yet.
 
+Several processes (hosts): --coordinator_address HOST:PORT --num_processes N
+--process_id I (or JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID;
+--num_processes auto: SLURM, Open MPI, Cloud TPU, Kubernetes) join N processes running
+the same command into one device set (`jlco.parallel.distributed`), and --mesh counts the
+devices of all of them. Process 0 prints the output and the stderr report; the others
+print only errors.
+
 Output: one line of tokens per prompt, or --json: {"tokens", "logprobs", "timing"} for
 --prompt_ids/--prompt, {"results": [{"tokens", "logprobs"}, ...], "timing"} for
 --prompts_file; strict JSON (a non-finite log-prob is an error, exit 1). Bad input is one
@@ -49,6 +56,7 @@ from typing import Any
 
 from absl import app, flags, logging
 
+from jlco.parallel import distributed
 from jlco.util import cli, compile_cache
 from jlco.util.buckets import pow2_bucket
 
@@ -91,10 +99,15 @@ def define_flags() -> None:
                         "(fields left out are 1; default: the config's mesh section)")
     flags.DEFINE_bool("json", False, "print JSON: {\"tokens\", \"logprobs\", \"timing\"} "
                       "(--prompts_file: {\"results\": [...], \"timing\"})")
+    distributed.define_flags()
+
+
+_quiet = False     # a process other than 0 of a multi-process job prints nothing
 
 
 def _say(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
+    if not _quiet:
+        print(msg, file=sys.stderr, flush=True)
 
 
 # ----------------------------------------------------------------------------- prompts
@@ -320,6 +333,8 @@ def _prepare():
     over = dict(shape, cache__offload=offload, engine__num_draft_tokens=FLAGS.num_draft_tokens,
                 **({"engine__attention_impl": FLAGS.impl} if FLAGS.impl else {}),
                 **({} if FLAGS.mesh is None else parse_mesh(FLAGS.mesh)))
+    ranks = over.get("mesh__data", 1)      # data ranks split the slots evenly
+    over["engine__max_batch_size"] = -(-over["engine__max_batch_size"] // ranks) * ranks
     checked = base.replace(model=choice.model, **over)   # validate before loading any weight
     mesh = _mesh(checked)
     _say(choice.banner)
@@ -364,6 +379,16 @@ def main(argv):
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     logging.set_verbosity(logging.WARNING)
     compile_cache.enable()
+    global _quiet
+    with cli.errors_exit(PROG, ValueError, OSError):
+        if distributed.multi_process_asked(FLAGS.num_processes):   # fail before joining
+            _prompts_from_flags()
+            if FLAGS.mesh is not None:
+                parse_mesh(FLAGS.mesh)
+        info = distributed.initialize_from_flags(FLAGS)   # before any jax backend exists
+    if info is not None:
+        _say(f"distributed: {info.describe()}")
+        _quiet = not info.is_lead
     engine = None
     with cli.interruptible(PROG):
         try:
@@ -379,11 +404,13 @@ def main(argv):
                        for r in reqs]
             with cli.errors_exit(PROG, NonFiniteOutput, code=cli.FAILURE_EXIT):
                 text = render(results, timing, FLAGS.json, FLAGS.prompts_file is not None)
-            print(text)
+            if not _quiet:
+                print(text)
             _report(engine, timing)
         finally:
             if engine is not None:
                 engine.close()   # the host pool (a "file" pool deletes its file)
+    distributed.shutdown()       # after a success only: wait for the job's other processes
 
 
 if __name__ == "__main__":

@@ -11,7 +11,9 @@ banner, which prints the memory plan: device bytes (weights, cache), the host po
 the largest batch with and without offload at the same device budget. SIGTERM or SIGINT
 drains: no new requests (503), running ones finish within --grace_s, the rest are
 aborted, the host pool (its file too) is freed, exit 0. Bad flags or config values: one
-`jlco.serve: error: ...` line, exit 2. Routes and fields: jlco/server/app.py.
+`jlco.serve: error: ...` line, exit 2. Routes and fields: jlco/server/app.py. One process
+only: --num_processes > 1 (or $JAX_NUM_PROCESSES) is refused, since a multi-host engine
+needs every process to run the engine loop in lockstep (`jlco.generate` runs multi-host).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import time
 
 from absl import app, flags, logging
 
+from jlco.parallel import distributed
 from jlco.util import cli, compile_cache
 
 FLAGS = flags.FLAGS
@@ -57,6 +60,7 @@ def define_flags() -> None:
     flags.DEFINE_bool("warmup", True, "compile with one small request before ready")
     flags.DEFINE_string("mesh", None, "device mesh, e.g. expert=4 (fields left out are 1; "
                         "default: the config's mesh section); data > 1 is not served yet")
+    distributed.define_flags()      # refused beyond one process (see main)
 
 
 def _say(msg: str) -> None:
@@ -208,6 +212,13 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)
     compile_cache.enable()
     with cli.errors_exit(PROG, ValueError, OSError, NotImplementedError):
+        asked = distributed.multi_process_asked(FLAGS.num_processes)
+        if asked is not None:
+            raise NotImplementedError(
+                f"{asked}: multi-host serving is "
+                "not built yet (every process would have to run the engine loop in "
+                "lockstep); serve from one process, with --mesh over its local devices")
+        distributed.resolve_from_flags(FLAGS)          # a malformed value is still an error
         cfg, choice, name = prepare()
     import uvicorn
 

@@ -306,10 +306,23 @@ def _digest(x: Any) -> str:
 
 
 def _digests(tree: Any) -> dict[str, str]:
-    """sha256 per leaf, hashed on threads (hashlib releases the GIL on large buffers)."""
+    """sha256 per leaf, hashed on threads (hashlib releases the GIL on large buffers).
+    A leaf split over other processes' devices (a multi-host mesh) is first gathered
+    whole, one leaf at a time in this thread: a collective every process runs in the
+    same leaf order (it moves every such leaf to every host: per-shard digests written
+    at conversion would scale better)."""
     leaves = _leaves(tree)
+    spread = {k: x for k, x in leaves.items()
+              if isinstance(x, jax.Array) and not x.is_fully_addressable}
+    out = {}
+    if spread:
+        from jax.experimental import multihost_utils
+        for k, x in spread.items():
+            out[k] = _digest(multihost_utils.process_allgather(x, tiled=True))
+    local = {k: x for k, x in leaves.items() if k not in spread}
     with concurrent.futures.ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as pool:
-        return dict(zip(leaves, pool.map(_digest, leaves.values())))
+        out.update(zip(local, pool.map(_digest, local.values())))
+    return {k: out[k] for k in leaves}
 
 
 def _pure(state: Any) -> Any:

@@ -5,8 +5,12 @@ it (`shard_model`), checks at start-up what the mesh cannot run (`check_mesh`), 
 the engine the shardings of replicated arrays under the active mesh (`replicated`).
 `expert` is expert-parallel MoE: routed experts split over the "expert" axis, tokens
 dispatched and combined with `jax.lax.all_to_all` inside `jax.shard_map`.
+`distributed` joins several processes (hosts) into one device set with
+`jax.distributed.initialize`, from the entry points' flags (`define_flags`) or the
+environment, before any backend exists.
 
-May import: jax, flax, numpy and `jlco.config` only, so that `jlco.model` (the MoE
-block) can import it; nothing here imports the model, the engine or the entry points.
+May import: jax, flax, numpy and `jlco.config` only (and absl for `distributed`'s
+flags), so that `jlco.model` (the MoE block) can import it; nothing here imports the
+model, the engine or the entry points.
 This file imports nothing eagerly.
 """
