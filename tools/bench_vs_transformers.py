@@ -1,136 +1,208 @@
 """jlco against the engine a CPU user would otherwise run, `transformers`' eager
-DeepseekV32ForCausalLM, on the same random weights and prompt, with the roofline beside.
+DeepseekV32ForCausalLM, on the same random weights and prompts, with the roofline beside.
 
 One transformers model is built from `--config` (random fp32 weights, saved with
 `save_pretrained` and loaded into jlco through its own checkpoint loader, so both run the
-same numbers). Measured, after a warm-up of each:
-  prefill   one prompt of `--prompt_len` tokens (transformers: one forward filling its
-            cache; jlco: the engine's chunked prefill, `engine.prefill_chunk`);
-  decode    `--steps` greedy steps at batch 1 from that prompt (transformers: forward
+same numbers). `--batch` N requests of `--prompt_len` random tokens each. Measured, after
+a warm-up of each:
+  prefill   the N prompts (transformers: one batched forward [N, prompt_len] filling its
+            cache, as its user would send N equal-length requests; jlco: the engine's
+            admission, `Engine.admit`, as `python -m jlco.generate --prompts_file` runs
+            it: every prompt's chunked prefill, `engine.prefill_chunk` positions a piece,
+            to its first token);
+  decode    `--steps` greedy steps at batch N from those prompts (transformers: forward
             with past_key_values; jlco: engine steps).
-Ratios: jlco / transformers speed, and each side's step against the roofline
-(`jlco.planning.roofline`: bytes a step must touch ÷ memory bandwidth, FLOPs ÷ peak).
-The greedy tokens of both are compared (equal up to float ties on a random model).
+Ratios: jlco / transformers speed, and each side against the roofline
+(`jlco.planning.roofline`: bytes a step must touch ÷ memory bandwidth, FLOPs ÷ peak; the
+prefill's is `decode_step` with s_q = prompt_len query tokens per request over an empty
+cache, the FLOPs bound). The greedy tokens of both are compared per prompt, the first
+token (the prefill's) on its own (equal up to float ties on a random model).
 
-  python tools/bench_vs_transformers.py --prompt_len=2048 --steps=8 --out=out/vs_hf
+transformers' batched prefill grows much faster than N: its indexer's
+`torch.matmul(q [N, s, H, D], k^T [N, 1, D, t])` can broadcast k over the s queries as a
+view only for N = 1; for N > 1 torch copies it to [N, s, D, t] (8 GiB of f32 per layer
+at 4 x 2048) and then reads it in a batched matmul of N·s tiny products.
+Writes vs_transformers.json and vs_transformers.png (prefill and decode bars) to --out.
+
+  python tools/bench_vs_transformers.py --batch=4 --prompt_len=2048 --steps=8 --out=out/vs_hf
 """
 
 from __future__ import annotations
 
-import json
 import os
 import pathlib
+import platform
 import sys
 import tempfile
 import time
 
 import numpy as np
-from absl import app, flags
+from absl import flags
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
+from jlco.util import cli  # noqa: E402
+
+PROG = "bench_vs_transformers"
 FLAGS = flags.FLAGS
 
 
 def define_flags() -> None:
     flags.DEFINE_string("config", "configs/bench_mid.py", "model config (random weights)")
-    flags.DEFINE_integer("prompt_len", 2048, "prompt tokens", lower_bound=1)
+    flags.DEFINE_integer("batch", 1, "requests prefilled and decoded together", lower_bound=1)
+    flags.DEFINE_integer("prompt_len", 2048, "prompt tokens per request", lower_bound=1)
     flags.DEFINE_integer("steps", 8, "decode steps timed", lower_bound=1)
     flags.DEFINE_integer("prefill_chunk", 512, "jlco engine.prefill_chunk", lower_bound=1)
     flags.DEFINE_float("mem_gbps", 14.9, "memory bandwidth for the roofline (GB/s)")
     flags.DEFINE_float("peak_gflops", 130.0, "f32 peak for the roofline (GFLOP/s)")
-    flags.DEFINE_string("out", "out/vs_transformers", "directory for the JSON")
-    flags.DEFINE_bool("json", False, "print the JSON to stdout instead of the table")
+    flags.DEFINE_string("out", "out/vs_transformers", "directory for the JSON and PNG")
+    flags.DEFINE_bool("json", False, "print the JSON to stdout (the table to stderr)")
 
 
-def hf_side(model, prompt: list[int]) -> dict:
+def prompts_for(vocab: int) -> list[list[int]]:
+    """--batch random prompts of --prompt_len tokens (seeded: both sides get the same)."""
+    rng = np.random.default_rng(0)
+    return rng.integers(0, vocab, (FLAGS.batch, FLAGS.prompt_len)).tolist()
+
+
+def hf_side(model, prompts: list[list[int]]) -> dict:
     import torch
-    ids = torch.tensor([prompt])
+    ids = torch.tensor(prompts)
     with torch.no_grad():
-        model(ids[:, :16], use_cache=True)   # warm-up
+        # Warm-up at batch N: torch's first call of a shape sets up kernels and buffers.
+        warm = model(ids[:, :16], use_cache=True)
+        model(warm.logits[:, -1:].argmax(-1), past_key_values=warm.past_key_values,
+              use_cache=True)
+        del warm
         t = time.perf_counter()
         out = model(ids, use_cache=True)
         prefill = time.perf_counter() - t
-        past, tok = out.past_key_values, int(out.logits[0, -1].argmax())
-        tokens, times = [tok], []
+        past, tok = out.past_key_values, out.logits[:, -1].argmax(-1)
+        tokens, times = [tok.tolist()], []
         for _ in range(FLAGS.steps):
             t = time.perf_counter()
-            out = model(torch.tensor([[tok]]), past_key_values=past, use_cache=True)
+            out = model(tok[:, None], past_key_values=past, use_cache=True)
             times.append(time.perf_counter() - t)
-            past, tok = out.past_key_values, int(out.logits[0, -1].argmax())
-            tokens.append(tok)
-    return dict(prefill_s=prefill, step_ms=1e3 * float(np.median(times)), tokens=tokens)
+            past, tok = out.past_key_values, out.logits[:, -1].argmax(-1)
+            tokens.append(tok.tolist())
+    per_prompt = [list(t) for t in zip(*tokens)]
+    return dict(prefill_s=prefill, step_ms=1e3 * float(np.median(times)), tokens=per_prompt)
 
 
-def jlco_side(ckpt: str, prompt: list[int]) -> dict:
+def jlco_side(ckpt: str, prompts: list[list[int]]) -> dict:
     from jlco.checkpoint.load import load_model
     from jlco.config import load_config
     from jlco.engine.core import Engine
     base = load_config(ROOT / FLAGS.config)
     mcfg, model, _ = load_model(ckpt, {"dtype": "float32"}, progress=False)
-    n = len(prompt)
-    cfg = base.replace(model=mcfg, engine__max_batch_size=1,
-                       engine__max_context_len=n + FLAGS.steps + 8,
+    cfg = base.replace(model=mcfg, engine__max_batch_size=len(prompts),
+                       engine__max_context_len=FLAGS.prompt_len + FLAGS.steps + 8,
                        engine__prefill_chunk=FLAGS.prefill_chunk)
     eng = Engine(cfg, model)
-    for warm in (True, False):
-        req = eng.submit(prompt, FLAGS.steps + 1)
-        t = time.perf_counter()
-        eng.admit()
-        prefill = time.perf_counter() - t
-        eng.step_seconds.clear()
-        eng.run()
-        if not warm:
-            return dict(prefill_s=prefill, step_ms=1e3 * float(np.median(eng.step_seconds)),
-                        tokens=list(req.tokens), config=cfg)
+    try:
+        for warm in (True, False):
+            reqs = [eng.submit(p, FLAGS.steps + 1) for p in prompts]
+            t = time.perf_counter()
+            eng.admit()
+            prefill = time.perf_counter() - t
+            eng.step_seconds.clear()
+            eng.run()
+            if not warm:
+                return dict(prefill_s=prefill,
+                            step_ms=1e3 * float(np.median(eng.step_seconds)),
+                            tokens=[list(r.tokens) for r in reqs], config=cfg)
+    finally:
+        eng.close()
+
+
+def roofline_s(cfg, machine) -> tuple[float, float]:
+    """(prefill, decode step) roofline seconds at --batch: the prefill as one step of
+    prompt_len query tokens per request over an empty cache; the step at its end."""
+    from jlco.planning import roofline
+    b, n = FLAGS.batch, FLAGS.prompt_len
+    return (roofline.decode_step(cfg, b, 0, s_q=n).time_s(machine),
+            roofline.decode_step(cfg, b, n).time_s(machine))
+
+
+def compare(ours: dict, peer: dict, cfg) -> dict:
+    from jlco.planning import roofline
+    machine = roofline.cpu_machine(FLAGS.mem_gbps, FLAGS.peak_gflops)
+    pre_roof, step_roof = roofline_s(cfg, machine)
+    first = [a[0] == b[0] for a, b in zip(ours["tokens"], peer["tokens"])]
+    return dict(
+        batch=FLAGS.batch, prompt_len=FLAGS.prompt_len, steps=FLAGS.steps,
+        jlco=ours, transformers=peer,
+        prefill_speedup=peer["prefill_s"] / ours["prefill_s"],
+        decode_speedup=peer["step_ms"] / ours["step_ms"],
+        roofline_prefill_s=pre_roof, roofline_step_ms=1e3 * step_roof,
+        jlco_prefill_over_roofline=ours["prefill_s"] / pre_roof,
+        transformers_prefill_over_roofline=peer["prefill_s"] / pre_roof,
+        jlco_step_over_roofline=ours["step_ms"] / (1e3 * step_roof),
+        transformers_step_over_roofline=peer["step_ms"] / (1e3 * step_roof),
+        same_first_tokens=first, same_tokens=ours["tokens"] == peer["tokens"],
+        machine=dict(mem_gbps=FLAGS.mem_gbps, peak_gflops=FLAGS.peak_gflops,
+                     cpus=os.cpu_count(), platform=platform.platform()))
+
+
+def table(out: dict) -> str:
+    lines = [f"batch {out['batch']} x {out['prompt_len']} prompt tokens, {out['steps']} decode "
+             "steps",
+             f"{'':14}{'prefill s':>10}{'x roofline':>11}{'step ms':>10}{'x roofline':>11}"]
+    for name in ("jlco", "transformers"):
+        side = out[name]
+        lines.append(f"{name:14}{side['prefill_s']:>10.2f}"
+                     f"{out[name + '_prefill_over_roofline']:>10.1f}x{side['step_ms']:>10.1f}"
+                     f"{out[name + '_step_over_roofline']:>10.1f}x")
+    lines.append(f"{'roofline':14}{out['roofline_prefill_s']:>10.3f}{'':>11}"
+                 f"{out['roofline_step_ms']:>10.2f}")
+    lines.append(f"jlco speed-up: prefill {out['prefill_speedup']:.2f}x, decode step "
+                 f"{out['decode_speedup']:.2f}x; same first tokens: {out['same_first_tokens']}; "
+                 f"same greedy tokens: {out['same_tokens']}")
+    return "\n".join(lines)
+
+
+def plot(out: dict, path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 2, figsize=(8, 3.5))
+    names = ["jlco", "transformers", "roofline"]
+    pre = [out["jlco"]["prefill_s"], out["transformers"]["prefill_s"], out["roofline_prefill_s"]]
+    step = [out["jlco"]["step_ms"], out["transformers"]["step_ms"], out["roofline_step_ms"]]
+    for ax, vals, label in ((axes[0], pre, f"prefill {out['batch']} x {out['prompt_len']}, s"),
+                            (axes[1], step, f"decode step, batch {out['batch']}, ms")):
+        ax.bar(names, vals, color=["C0", "C1", "C7"])
+        for x, v in zip(names, vals):
+            ax.text(x, v, f"{v:.4g}", ha="center", va="bottom")
+        ax.set_ylabel(label)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def main(argv) -> None:
-    del argv
+    if len(argv) > 1:
+        cli.fail(PROG, f"unexpected arguments: {argv[1:]}")
     from hf_reference import build_hf_model
 
     from jlco.config import load_config
-    from jlco.planning import roofline
     base = load_config(ROOT / FLAGS.config)
-    prompt = np.random.default_rng(0).integers(0, base.model.vocab_size,
-                                               FLAGS.prompt_len).tolist()
+    prompts = prompts_for(base.model.vocab_size)
     hf_model = build_hf_model(base.model)
     with tempfile.TemporaryDirectory() as d:
         hf_model.save_pretrained(d)
-        ours = jlco_side(d, prompt)
-    peer = hf_side(hf_model, prompt)
-    machine = roofline.cpu_machine(FLAGS.mem_gbps, FLAGS.peak_gflops)
-    step_roof = roofline.decode_step(ours.pop("config"), 1, [FLAGS.prompt_len]).time_s(machine)
-    out = dict(prompt_len=FLAGS.prompt_len, steps=FLAGS.steps, jlco=ours, transformers=peer,
-               prefill_speedup=peer["prefill_s"] / ours["prefill_s"],
-               decode_speedup=peer["step_ms"] / ours["step_ms"],
-               roofline_step_ms=1e3 * step_roof,
-               jlco_step_roofline_fraction=1e3 * step_roof / ours["step_ms"],
-               transformers_step_roofline_fraction=1e3 * step_roof / peer["step_ms"],
-               same_tokens=ours["tokens"] == peer["tokens"],
-               machine=dict(mem_gbps=FLAGS.mem_gbps, peak_gflops=FLAGS.peak_gflops,
-                            cpus=os.cpu_count()))
-    os.makedirs(FLAGS.out, exist_ok=True)
-    path = os.path.join(FLAGS.out, "vs_transformers.json")
-    with open(path + ".tmp", "w") as f:
-        json.dump(out, f, indent=1)
-    os.replace(path + ".tmp", path)
-    if FLAGS.json:
-        print(json.dumps(out, indent=1))
-        return
-    print(f"prompt {FLAGS.prompt_len} tokens, batch 1, {FLAGS.steps} decode steps")
-    print(f"{'':14}{'prefill s':>10}{'step ms':>10}{'step/roofline':>15}")
-    for name, side, frac in (("jlco", ours, out["jlco_step_roofline_fraction"]),
-                             ("transformers", peer, out["transformers_step_roofline_fraction"])):
-        print(f"{name:14}{side['prefill_s']:>10.2f}{side['step_ms']:>10.1f}{1 / frac:>14.1f}x")
-    print(f"jlco speed-up: prefill {out['prefill_speedup']:.2f}x, decode step "
-          f"{out['decode_speedup']:.2f}x; roofline step {out['roofline_step_ms']:.2f} ms; "
-          f"same greedy tokens: {out['same_tokens']}")
-    print(f"wrote {path}")
+        ours = jlco_side(d, prompts)
+    peer = hf_side(hf_model, prompts)
+    out = compare(ours, peer, ours.pop("config"))
+    dest = pathlib.Path(FLAGS.out)
+    dest.mkdir(parents=True, exist_ok=True)
+    plot(out, dest / "vs_transformers.png")
+    cli.write_report(dest / "vs_transformers.json", out,
+                     table(out) + f"\nwrote {dest / 'vs_transformers.json'}", FLAGS.json)
 
 
 if __name__ == "__main__":
     define_flags()
-    app.run(main)
+    cli.run_main(main, flags_parser=cli.flags_parser(PROG))

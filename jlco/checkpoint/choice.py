@@ -86,10 +86,8 @@ def load_weights(choice: ModelChoice, *, seed: int = 0, verify: bool = True,
     """(model config, model): the checkpoint's weights, or random ones (seeded).
     `shardings` (see `load_model`): where each parameter's slices go (a mesh's)."""
     if choice.checkpoint is None:
-        from flax import nnx
-
-        from jlco.model.decoder import DeepseekV32
-        return choice.model, DeepseekV32(choice.model, rngs=nnx.Rngs(seed))
+        from jlco.checkpoint.random_store import random_model
+        return choice.model, random_model(choice.model, seed)
     from jlco.checkpoint.load import load_model
     path = choice.checkpoint
     mcfg, model, info = load_model(path, {"dtype": choice.model.dtype}, verify=verify,

@@ -34,6 +34,7 @@ from jlco.model.kv_cache import DecodeCache, cache_layers, init_cache, scan_buck
 from jlco.offload.latent import STAT_NAMES, OffloadLatent
 from jlco.offload.metrics import OffloadMetrics
 from jlco.offload.pages import PageAllocator, RankedPages
+from jlco.pallas import dispatch
 from jlco.parallel import data as parallel_data
 from jlco.parallel import mesh as parallel_mesh
 from jlco.util.buckets import pow2_bucket
@@ -257,7 +258,7 @@ class ModelRunner:
             raise ValueError(f"warmup_queries={warmup_queries!r}: allowed an integer >= 0")
         self.cfg = cfg
         self.warmup_queries = warmup_queries
-        self.impl = impl or cfg.engine.attention_impl
+        self.impl = dispatch.resolve(impl or cfg.engine.attention_impl)
         self.graphdef, self.state = nnx.split(model)
         self.batch = cfg.engine.max_batch_size
         self.max_len = cfg.engine.max_context_len

@@ -6,7 +6,9 @@ executables from disk instead of recompiling (the tiny model's `generate` goes f
 Location: `$JLCO_COMPILATION_CACHE_DIR` if set (the empty string disables the cache),
 else `$XDG_CACHE_HOME/jlco/jax`, else `~/.cache/jlco/jax`. Every compile is cached
 (minimum compile time 0 s): the tiny model's compiles take well under jax's default 1 s
-threshold, and CPU startup is dominated by many small ones.
+threshold, and CPU startup is dominated by many small ones. The seeded random-weight
+model is kept beside the executables (`jlco.checkpoint.random_store`): its op-by-op init
+is ~50 of those small compilations.
 
 Call `enable()` before the first compilation. It imports only the standard library: if
 jax is already loaded it updates `jax.config` (through `sys.modules`), and it always sets
