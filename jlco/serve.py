@@ -242,8 +242,9 @@ def main(argv):
             server.should_exit = True
 
     server = _Server(uvicorn.Config(fastapi_app, host=cfg.serve.host, port=cfg.serve.port,
-                                    log_level="warning", timeout_graceful_shutdown=FLAGS.grace_s,
-                                    lifespan="off"), state)
+                                    log_level="warning",
+                                    timeout_graceful_shutdown=FLAGS.grace_s + DRAIN_SLACK_S,
+                                    lifespan="off"), state, FLAGS.grace_s)
     def started():
         _say(f"listening: http://{cfg.serve.host}:{server.port} (loading; GET /health is 503 "
              "until ready)")
@@ -269,11 +270,14 @@ def main(argv):
     _say("stopped")
 
 
+DRAIN_SLACK_S = 10.0   # after the grace: aborted streams send their last event
+
+
 class _Server:
     """uvicorn's Server, marking the state draining the moment a signal arrives (new
     requests get 503 while open streams finish), and reporting the bound port."""
 
-    def __new__(cls, config, state):
+    def __new__(cls, config, state, grace_s: float):
         import uvicorn
 
         class Server(uvicorn.Server):
@@ -294,8 +298,13 @@ class _Server:
                     self.on_started()
 
             def handle_exit(self, sig, frame):
-                if state.loop is not None:
+                if state.loop is not None and not state.loop.draining:
+                    # The engine aborts what still runs at grace_s, so those streams end
+                    # with finish_reason "abort" before uvicorn's own deadline (grace_s +
+                    # DRAIN_SLACK_S) would cancel their handlers.
                     state.loop.draining = True
+                    threading.Thread(target=state.loop.drain, args=(grace_s,),
+                                     name="jlco-drain", daemon=True).start()
                 _say(f"{PROG}: {'SIGTERM' if sig == 15 else 'SIGINT' if sig == 2 else sig}: "
                      "draining (new requests get 503)")
                 super().handle_exit(sig, frame)

@@ -80,6 +80,8 @@ class EngineLoop:
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[int, Stream] = {}
         self.draining = False
+        self._drain_lock = threading.Lock()
+        self._drained: int | None = None     # requests aborted by the drain, once done
         self.broken: str | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="jlco-engine", daemon=True)
@@ -130,18 +132,23 @@ class EngineLoop:
 
     def drain(self, grace_s: float) -> int:
         """Stop admitting, let running requests finish for up to `grace_s` seconds, abort
-        what is left, stop the thread → how many requests were aborted."""
+        what is left, stop the thread → how many requests were aborted. Idempotent (the
+        server starts it when the signal arrives and calls it again on the way out)."""
         self.draining = True
-        deadline = time.monotonic() + grace_s
-        while self._streams and time.monotonic() < deadline and not self.broken \
-                and self._thread.is_alive():
-            time.sleep(0.05)
-        left = len(self._streams)
-        self._cmds.put(("abort_all",))
-        self._stop.set()
-        self._cmds.put(("wake",))
-        self._thread.join(timeout=max(5.0, grace_s))
-        return left
+        with self._drain_lock:
+            if self._drained is not None:
+                return self._drained
+            deadline = time.monotonic() + grace_s
+            while self._streams and time.monotonic() < deadline and not self.broken \
+                    and self._thread.is_alive():
+                time.sleep(0.05)
+            left = len(self._streams)
+            self._cmds.put(("abort_all",))
+            self._stop.set()
+            self._cmds.put(("wake",))
+            self._thread.join(timeout=max(5.0, grace_s))
+            self._drained = left
+            return left
 
     # ---- the engine thread ----------------------------------------------------------
     def _run(self) -> None:
@@ -182,6 +189,13 @@ class EngineLoop:
             self._publish()
             if self.on_step is not None:
                 self.on_step(engine, time.perf_counter() - t0)
+        # Stopped: commands queued with the stop (the drain's abort_all) still apply, so
+        # every open stream gets its last event.
+        while True:
+            try:
+                self._apply(self._cmds.get_nowait())
+            except queue.Empty:
+                break
 
     def _sweep(self) -> None:
         """The lifecycle sweep: imported prefills nobody claimed within import_ttl_s go."""

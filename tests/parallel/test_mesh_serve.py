@@ -105,3 +105,19 @@ def test_hf_checkpoint_with_six_experts_loads_sharded_and_matches_one_device(tmp
     two = _generate(ckpt, prompt, 2, "expert=2")
     assert two["tokens"] == one["tokens"]
     assert max(abs(a - b) for a, b in zip(two["logprobs"], one["logprobs"])) < 1e-5
+
+
+@pytest.mark.slow
+def test_hf_checkpoint_with_data_parallel_attention_matches_one_device(tmp_path):
+    """The same 6-expert transformers checkpoint on data=2 x expert=2 (4 devices): the
+    request on one data rank, its experts split over two devices, one-device tokens."""
+    sys.path.insert(0, str(ROOT / "tests" / "cli"))
+    from cli_support import make_hf_checkpoint
+    ckpt = tmp_path / "six"
+    make_hf_checkpoint(ckpt, n_routed_experts=6, n_group=2, topk_group=1,
+                       num_experts_per_tok=3)
+    prompt = [(13 * j + 5) % 250 for j in range(70)]
+    one = _generate(ckpt, prompt, 1, None)
+    four = _generate(ckpt, prompt, 4, "data=2,expert=2")
+    assert four["tokens"] == one["tokens"]
+    assert max(abs(a - b) for a, b in zip(four["logprobs"], one["logprobs"])) < 1e-5

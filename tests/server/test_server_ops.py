@@ -24,7 +24,8 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 def test_loading_auth_queue_full_and_sigterm_drain():
     srv = ServerProcess(*TINY_OFFLOAD, "--api_key", KEY, "--grace_s", "1",
                         "--override", "serve.max_queue=1", "--override",
-                        "engine.max_batch_size=1", timeout=600, wait=False)
+                        "engine.max_batch_size=1", "--override", "engine.max_context_len=2048",
+                        timeout=600, wait=False)
     # The port opens before the model is loaded: /health says why it is not ready.
     seen = []
     deadline = time.monotonic() + 600
@@ -57,7 +58,7 @@ def test_loading_auth_queue_full_and_sigterm_drain():
 
             async def long_stream():
                 async with ac.stream("POST", "/v1/completions",
-                                     json={**body, "max_tokens": 420, "stream": True}) as r:
+                                     json={**body, "max_tokens": 1900, "stream": True}) as r:
                     assert r.status_code == 200
                     async for line in r.aiter_lines():
                         if line.startswith("data: {"):
@@ -71,6 +72,7 @@ def test_loading_auth_queue_full_and_sigterm_drain():
             queued = asyncio.create_task(ac.post("/v1/completions",
                                                  json={**body, "max_tokens": 2}))
             await asyncio.sleep(0.5)                  # ... and the one queue place
+            assert not running.done()                 # (1900 tokens: seconds of decoding)
             full = await ac.post("/v1/completions", json={**body, "max_tokens": 2})
             assert full.status_code == 429, full.text
             assert full.json()["error"]["type"] == "TooManyRequestsError"
