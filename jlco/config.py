@@ -401,7 +401,8 @@ class MeshConfig:
     """The device mesh (`jlco.parallel.mesh.make_mesh`): its axes' sizes, whose product must be
     the number of devices. The defaults (all 1) are one device, no mesh.
 
-    data:    data-parallel attention (requests split over devices); not implemented yet.
+    data:    data-parallel attention: requests, their caches and the host pool split over
+             this many ranks (engine.max_batch_size must divide evenly).
     expert:  expert parallelism: the routed experts are split over this many devices and
              tokens reach them by all-to-all (model.n_routed_experts must divide evenly).
     tensor:  tensor parallelism of heads / MLP / vocabulary dimensions.

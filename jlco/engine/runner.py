@@ -59,7 +59,6 @@ def host_pages(cfg: Config) -> PageAllocator | RankedPages | None:
     pages_per_req = -(-cfg.engine.max_context_len // page)
     ranks = cfg.mesh.data
     if ranks > 1:
-        parallel_data.check_batch(cfg.engine.max_batch_size, ranks)
         return RankedPages(ranks, cfg.engine.max_batch_size // ranks * pages_per_req, page)
     return PageAllocator(cfg.engine.max_batch_size * pages_per_req, page)
 
@@ -106,7 +105,7 @@ def _allocate_split(cfg: Config) -> tuple[DecodeCache, PageAllocator | None]:
     if cfg.mesh.data != ranks:
         raise ValueError(f"mesh.data={cfg.mesh.data} but the active mesh has {ranks} data "
                          "ranks: build the engine under jax.set_mesh(make_mesh(cfg))")
-    parallel_data.check_batch(cfg.engine.max_batch_size, ranks)
+    parallel_mesh.check_batch(cfg.engine.max_batch_size, ranks)
     pages = None
 
     def build():

@@ -273,10 +273,14 @@ class Scheduler:
         for r in range(self.num_ranks):
             use = {"running": float(sum(s is not None for s in self.slots[r * per:(r + 1) * per]))}
             if self.pages is not None:
-                use["host"] = (self.pages.usage(r) if self.num_ranks > 1 else
-                               self.pages.used_pages / self.pages.num_pages)
+                pool = self._pool(r)
+                use["host"] = pool.used_pages / pool.num_pages
             out.append(use)
         return out
+
+    def _pool(self, rank: int) -> PageAllocator:
+        """The page pool of `rank` (the only one without data ranks)."""
+        return self.pages.ranks[rank] if self.num_ranks > 1 else self.pages
 
     def _choose_rank(self, num_tokens: int) -> int | None:
         """The rank a new request of `num_tokens` positions goes to (a free slot and, with
@@ -287,7 +291,7 @@ class Scheduler:
             if None not in self.slots[r * per:(r + 1) * per]:
                 continue
             if self.pages is not None:
-                pool = self.pages.ranks[r] if self.num_ranks > 1 else self.pages
+                pool = self._pool(r)
                 if pool.pages_needed(num_tokens) > pool.free_pages:
                     continue
             fits.append((use.get("host", 0.0), use["running"], r))

@@ -62,22 +62,13 @@ def cache_specs(cache: DecodeCache) -> DecodeCache:
 
 def cache_shardings(cache: DecodeCache, mesh, host_memory_kind: str | None):
     """NamedShardings of `cache_specs` on `mesh` (the host pool in `host_memory_kind`)."""
-    specs = cache_specs(cache)
-    host_ids = ({id(h) for h in cache.latent.host}
-                if isinstance(cache.latent, OffloadLatent) else set())
-    leaves, tree = jax.tree.flatten(cache)
-    spec_leaves = tree.flatten_up_to(specs)
-    out = [NamedSharding(mesh, s, memory_kind=host_memory_kind if id(x) in host_ids else None)
-           for x, s in zip(leaves, spec_leaves)]
-    return jax.tree.unflatten(tree, out)
-
-
-def check_batch(batch: int, ranks: int) -> None:
-    """The batch slots split evenly over the data ranks, or a ValueError naming both."""
-    if batch % ranks:
-        raise ValueError(f"engine.max_batch_size={batch} is not divisible by mesh.data={ranks}: "
-                         "every data rank holds the same number of batch slots; allowed "
-                         f"a multiple of {ranks}")
+    out = jax.tree.map(lambda s: NamedSharding(mesh, s), cache_specs(cache),
+                       is_leaf=lambda x: isinstance(x, PartitionSpec))
+    if isinstance(out.latent, OffloadLatent):
+        host = tuple(NamedSharding(mesh, s.spec, memory_kind=host_memory_kind)
+                     for s in out.latent.host)
+        out = dataclasses.replace(out, latent=dataclasses.replace(out.latent, host=host))
+    return out
 
 
 def _psum_stats(cache: DecodeCache) -> DecodeCache:

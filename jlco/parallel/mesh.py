@@ -76,10 +76,7 @@ def check_mesh(cfg: Config) -> None:
                          f"mesh.expert={m.expert}: every expert-parallel device must hold the "
                          "same number of routed experts; allowed mesh.expert dividing "
                          f"{model.n_routed_experts}")
-    if cfg.engine.max_batch_size % m.data:
-        raise ValueError(f"engine.max_batch_size={cfg.engine.max_batch_size} is not divisible "
-                         f"by mesh.data={m.data}: every data rank holds the same number of "
-                         f"batch slots; allowed a multiple of {m.data}")
+    check_batch(cfg.engine.max_batch_size, m.data)
     if m.num_devices > 1 and cfg.engine.num_draft_tokens:
         raise NotImplementedError(f"engine.num_draft_tokens={cfg.engine.num_draft_tokens} with "
                                   "a mesh: speculative decoding is single-device for now")
@@ -89,6 +86,14 @@ def check_mesh(cfg: Config) -> None:
             f"cache.fetch_path={cfg.cache.fetch_path!r} / cache.storage={cfg.cache.storage!r} "
             "with a mesh: the host-driven fetch path (and its 'file' pool) is single-device "
             "for now; use cache.fetch_path='in_jit' with a host-memory pool")
+
+
+def check_batch(batch: int, ranks: int) -> None:
+    """The batch slots split evenly over the data ranks, or a ValueError naming both."""
+    if batch % ranks:
+        raise ValueError(f"engine.max_batch_size={batch} is not divisible by mesh.data={ranks}: "
+                         "every data rank holds the same number of batch slots; allowed "
+                         f"a multiple of {ranks}")
 
 
 def mesh_axis(logical: str | None) -> str | None:

@@ -28,11 +28,11 @@ mlp, heads, index_heads, vocab -> "tensor"; low-rank and norm axes replicated), 
 that a size the axis does not divide is counted rounded up here (the engine keeps it
 replicated, and refuses n_routed_experts % expert != 0 at start-up).
 
-The engine today replicates the decode cache (data-parallel attention is not implemented
-yet: every device of a data=1 mesh runs attention for every request). Per-device figures
-are the same either way; what differs is the mesh-wide request count, planned here as
-per-device batch × data × expert (the DP-attention target), in the engine today the
-per-device batch × data.
+The engine splits requests over the "data" axis only (`jlco.parallel.data`): the expert
+and tensor devices of one data rank run attention for the same requests. Per-device
+figures are the same either way; what differs is the mesh-wide request count, planned
+here as per-device batch × data × expert (DP attention over every device, as SGLang
+runs it), in the engine the per-device batch × data.
 
 The existing `--ep N` flag means the mesh data=1,expert=N,tensor=1 (N devices, DP
 attention over all of them, EP N: the seed's "one rank of an EP-N deployment"). Giving

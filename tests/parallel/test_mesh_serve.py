@@ -30,6 +30,16 @@ def _one_device_tokens(prompt, n):
     return json.loads(r.stdout)["tokens"]
 
 
+async def _crowd(url):
+    """PROMPTS sent at once, 6 greedy tokens each → (token ids per prompt, /metrics text)."""
+    async with httpx.AsyncClient(base_url=url, timeout=300) as ac:
+        rs = await asyncio.gather(*(ac.post("/v1/completions", json={
+            "prompt": p, "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}) for p in PROMPTS))
+        metrics = (await ac.get("/metrics")).text
+        return [r.json()["choices"][0]["token_ids"] for r in rs], metrics
+
+
 @pytest.mark.slow
 def test_server_on_an_expert_parallel_mesh():
     srv = ServerProcess("--config", str(ROOT / "configs" / "tiny.py"), "--offload",
@@ -37,14 +47,7 @@ def test_server_on_an_expert_parallel_mesh():
     try:
         assert "mesh: {'data': 1, 'expert': 4, 'tensor': 1}" in srv.stderr
 
-        async def crowd():
-            async with httpx.AsyncClient(base_url=srv.url, timeout=300) as ac:
-                rs = await asyncio.gather(*(ac.post("/v1/completions", json={
-                    "prompt": p, "max_tokens": 6, "temperature": 0, "ignore_eos": True,
-                    "return_token_ids": True}) for p in PROMPTS))
-                return [r.json()["choices"][0]["token_ids"] for r in rs]
-
-        got = asyncio.run(crowd())
+        got, _ = asyncio.run(_crowd(srv.url))
         assert all(len(t) == 6 for t in got)
         assert got[1] == _one_device_tokens(PROMPTS[1], 6)
     finally:
@@ -60,15 +63,7 @@ def test_server_spreads_requests_over_data_ranks():
     try:
         assert "mesh: {'data': 2, 'expert': 2, 'tensor': 1}" in srv.stderr
 
-        async def crowd():
-            async with httpx.AsyncClient(base_url=srv.url, timeout=300) as ac:
-                rs = await asyncio.gather(*(ac.post("/v1/completions", json={
-                    "prompt": p, "max_tokens": 6, "temperature": 0, "ignore_eos": True,
-                    "return_token_ids": True}) for p in PROMPTS))
-                metrics = (await ac.get("/metrics")).text
-                return [r.json()["choices"][0]["token_ids"] for r in rs], metrics
-
-        got, metrics = asyncio.run(crowd())
+        got, metrics = asyncio.run(_crowd(srv.url))
         admitted = {line.split('"')[1]: float(line.split()[-1]) for line in metrics.splitlines()
                     if line.startswith("jlco_data_rank_requests_admitted_total{")}
         # 2 slots per rank and 4 requests at once: 2 on each (rank 0 also took the
