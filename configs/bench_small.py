@@ -26,8 +26,8 @@ CONFIG = Config(
     name="bench_small",
     model=MODEL,
     cache=CacheConfig(offload=True, storage="pinned_host", kv_format="fp8",
-                      indexer_key_format="fp8", page_size=64, staging_capacity=2048,
-                      prefetch_window=256, eviction="lru"),
+                      indexer_key_format="fp8", page_size=64, hot_buffer_rows=2048,
+                      fetch_chunk_rows=256, eviction="lru"),
     engine=EngineConfig(max_batch_size=4, max_context_len=32768 + 64, prefill_chunk=512,
                         attention_impl="xla"),
 )

@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
 import importlib.util
 import math
 import numbers
 import os
 import pathlib
 import traceback
+import warnings
 from typing import Any, Mapping
 
 
@@ -87,6 +89,51 @@ def _check_types(obj: Any, prefix: str) -> None:
             continue
         allowed = " or ".join(_SCALARS.get(k, f"a {k}") for k in kinds)
         _check(False, f"{prefix}.{f.name}", raw, f"{allowed} (got {type(raw).__name__})")
+
+
+# Knobs renamed in this release: old spelling → new, per section. The old spellings stay
+# accepted (CacheConfig(...) keywords, --override, Config.replace) for one release, each
+# use warning once with the new name, so existing config files and scripts keep working.
+RENAMED: dict[str, dict[str, str]] = {
+    "cache": {"staging_capacity": "hot_buffer_rows", "prefetch_window": "fetch_chunk_rows"},
+}
+
+
+class RenamedKnobWarning(FutureWarning):
+    """An old knob spelling was used. A FutureWarning (not DeprecationWarning) because the
+    readers are users of the CLIs and config files, and Python shows it by default."""
+
+
+def current_name(section: str, field: str) -> str:
+    """`field`'s name in this release: an old spelling (RENAMED) maps to the new one and
+    warns, naming it; any other name comes back unchanged."""
+    new = RENAMED.get(section, {}).get(field)
+    if new is None:
+        return field
+    warnings.warn(f"{section}.{field} is deprecated: it is now {section}.{new} (the old "
+                  "name is accepted for one more release)", RenamedKnobWarning, stacklevel=3)
+    return new
+
+
+def _accepts_renamed(section: str):
+    """Class decorator: the dataclass's keyword constructor takes the section's old
+    spellings too (so configs/*.py files written for the last release still load)."""
+    def wrap(cls):
+        init = cls.__init__
+
+        @functools.wraps(init)
+        def __init__(self, *args, **kw):
+            new = {}
+            for key, val in kw.items():
+                name = current_name(section, key)
+                if name in new or (name != key and name in kw):
+                    raise TypeError(f"{section}.{key} and {section}.{name} are the same "
+                                    f"knob; give only {section}.{name}")
+                new[name] = val
+            init(self, *args, **new)
+        cls.__init__ = __init__
+        return cls
+    return wrap
 
 
 DTYPES = ("bfloat16", "float32", "float16")   # model.dtype: the compute (and weight) dtype
@@ -266,9 +313,10 @@ def hf_dtype(d: Mapping[str, Any]) -> tuple[str | None, str]:
     return None, ""
 
 
+@_accepts_renamed("cache")
 @dataclasses.dataclass(frozen=True)
 class CacheConfig:
-    """Where the MLA latent cache lives and how rows move (the seed's knob table).
+    """Where the MLA latent cache lives and how rows move (the offload knobs).
 
     offload:           latent cache in host memory (True) or all on device (False).
     storage:           host memory kind for the latent pool, or "file" (memory-mapped
@@ -276,21 +324,25 @@ class CacheConfig:
     kv_format:         latent row format: "fp8" (656-byte FlashMLA layout), "bf16" (1152 B),
                        or "f32" (unquantised f32 rows, for fp32 parity tests).
     page_size:         tokens per host page; pages have exactly one owning request.
-    staging_capacity:  hot-buffer rows per request per layer (device). Must be at least
+    hot_buffer_rows:   hot-buffer rows per request per layer (device). Must be at least
                        index_topk * (1 + num_draft_tokens); 0 means "that minimum".
-    prefetch_window:   most rows prefetched ahead per request per layer per step.
+                       (Was `staging_capacity`; that spelling is accepted for one release.)
+    fetch_chunk_rows:  most rows per host->device fetch chunk (later chunks gather while
+                       earlier ones transfer); 0 = one chunk.
+                       (Was `prefetch_window`; that spelling is accepted for one release.)
     prefetch_threads:  host threads issuing prefetch transfers.
     eviction:          hot-buffer victim policy.
     fetch_path:        how misses reach the device ("auto" = measured default per backend).
-    host_headroom:     fraction of extra host memory kept free (seed: at least 30 %).
+    host_headroom:     fraction of extra host memory kept free (the design requires at
+                       least 30 %).
     """
     offload: bool = False
     storage: str = "pinned_host"
     storage_path: str | None = None
     kv_format: str = "bf16"
     page_size: int = 64
-    staging_capacity: int = 0
-    prefetch_window: int = 256
+    hot_buffer_rows: int = 0
+    fetch_chunk_rows: int = 256
     prefetch_threads: int = 2
     eviction: str = "lru"
     fetch_path: str = "auto"
@@ -308,12 +360,12 @@ class CacheConfig:
         _one_of(self, p, "fetch_path", ("auto", "in_jit", "host_driven"))
         _one_of(self, p, "indexer_key_format", ("bf16", "fp8"))
         _positive(self, p, "page_size", "prefetch_threads")
-        _check(isinstance(self.staging_capacity, int) and self.staging_capacity >= 0,
-               f"{p}.staging_capacity", self.staging_capacity, "an integer >= 0 (0 = minimum)")
-        _check(isinstance(self.prefetch_window, int) and self.prefetch_window >= 0,
-               f"{p}.prefetch_window", self.prefetch_window, "an integer >= 0")
+        _check(isinstance(self.hot_buffer_rows, int) and self.hot_buffer_rows >= 0,
+               f"{p}.hot_buffer_rows", self.hot_buffer_rows, "an integer >= 0 (0 = minimum)")
+        _check(isinstance(self.fetch_chunk_rows, int) and self.fetch_chunk_rows >= 0,
+               f"{p}.fetch_chunk_rows", self.fetch_chunk_rows, "an integer >= 0")
         _check(0.3 <= self.host_headroom <= 4.0, f"{p}.host_headroom", self.host_headroom,
-               "0.3..4.0 (the seed asks for at least 30 % headroom)")
+               "0.3..4.0 (the design requires at least 30 % host headroom)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -441,10 +493,10 @@ class Config:
                "0 when the model has no MTP layer (model.num_nextn_predict_layers=0)")
         _check(c.kv_format != "fp8" or m.kv_lora_rank % 128 == 0, "cache.kv_format", c.kv_format,
                f"'bf16' unless model.kv_lora_rank ({m.kv_lora_rank}) is a multiple of 128")
-        if c.offload and c.staging_capacity:
-            _check(c.staging_capacity >= self.min_staging_capacity, "cache.staging_capacity",
-                   c.staging_capacity, f">= index_topk * (1 + num_draft_tokens) = "
-                   f"{self.min_staging_capacity} (or 0 for that minimum)")
+        if c.offload and c.hot_buffer_rows:
+            _check(c.hot_buffer_rows >= self.min_hot_buffer_rows, "cache.hot_buffer_rows",
+                   c.hot_buffer_rows, f">= index_topk * (1 + num_draft_tokens) = "
+                   f"{self.min_hot_buffer_rows} (or 0 for that minimum)")
 
     @property
     def row_bytes(self) -> int:
@@ -465,13 +517,15 @@ class Config:
         return (4 if self.model.dtype == "float32" else 2) * d
 
     @property
-    def min_staging_capacity(self) -> int:
+    def min_hot_buffer_rows(self) -> int:
+        """Fewest hot-buffer rows a step can work with: every query token's top-k set
+        (the target token and each draft) must be resident at once."""
         return self.model.index_topk * (1 + self.engine.num_draft_tokens)
 
     @property
-    def staging_capacity(self) -> int:
+    def hot_buffer_rows(self) -> int:
         """Hot-buffer rows per request per layer, with 0 resolved to the minimum."""
-        return self.cache.staging_capacity or self.min_staging_capacity
+        return self.cache.hot_buffer_rows or self.min_hot_buffer_rows
 
     def replace(self, **sections: Any) -> "Config":
         """Copy with whole sections or `section__field=value` overrides replaced. A
@@ -482,7 +536,7 @@ class Config:
         for key, val in sections.items():
             if "__" in key:
                 sec, field = key.split("__", 1)
-                per_section.setdefault(sec, {})[field] = val
+                per_section.setdefault(sec, {})[current_name(sec, field)] = val
             else:
                 kw[key] = val
         for sec, fields in per_section.items():
@@ -572,6 +626,7 @@ def apply_overrides(cfg, overrides: list[str]):
     for text in overrides:
         key, val = parse_override(text)
         sec, field = key.split("__", 1)
+        field = current_name(sec, field)
         if sec not in sections:
             raise ValueError(f"--override={text!r}: unknown section {sec!r}; allowed "
                              f"{', '.join(sorted(sections))}")
@@ -579,5 +634,5 @@ def apply_overrides(cfg, overrides: list[str]):
         if field not in names:
             raise ValueError(f"--override={text!r}: {sec} has no field {field!r}; allowed "
                              f"{', '.join(names)}")
-        kw[key] = val
+        kw[f"{sec}__{field}"] = val
     return cfg.replace(**kw)

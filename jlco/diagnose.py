@@ -5,8 +5,8 @@ with numbers from its /metrics read over an interval.
     python -m jlco.diagnose --url http://HOST:PORT [--interval_s 10] [--hardware h200]
         [--probe_requests N] [--json]
 
-Each finding names the knob to turn (cache.staging_capacity, cache.prefetch_threads,
-cache.prefetch_window, cache.eviction, cache.fetch_path, engine.max_batch_size, ...) and
+Each finding names the knob to turn (cache.hot_buffer_rows, cache.prefetch_threads,
+cache.fetch_chunk_rows, cache.eviction, cache.fetch_path, engine.max_batch_size, ...) and
 why; the thresholds are in jlco/server/ops_diagnose.py's docstring. --hardware (a
 jlco/planning/hardware.py profile) puts the achieved H2D rate beside that chip's host
 link. With no traffic during the interval it says so; --probe_requests N sends a small

@@ -107,7 +107,7 @@ def memory_plan(cfg, weight_bytes: int) -> list[str]:
     offload at one device budget."""
     import jax
 
-    from jlco.engine.runner import batch_for_budget, device_cache_bytes
+    from jlco.engine.allocation import batch_for_budget, device_cache_bytes
     from jlco.model.kv_cache import cache_layers
     batch = cfg.engine.max_batch_size
     dev_cache = device_cache_bytes(cfg, batch)
@@ -132,7 +132,7 @@ def memory_plan(cfg, weight_bytes: int) -> list[str]:
         page, ctx = cfg.cache.page_size, cfg.engine.max_context_len
         pool = batch * -(-ctx // page) * page * cfg.row_bytes * cache_layers(cfg)
         lines.append(f"memory: host pool {gb(pool)} in {cfg.cache.storage} "
-                     f"({cfg.staging_capacity} hot rows per request and layer on device)")
+                     f"({cfg.hot_buffer_rows} hot rows per request and layer on device)")
     b_off = batch_for_budget(off_cfg, budget, other_bytes=weight_bytes)
     b_on = batch_for_budget(on_cfg, budget, other_bytes=weight_bytes)
     lines.append(f"memory: device budget {gb(budget)} ({why}): largest batch {b_off} with "

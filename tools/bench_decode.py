@@ -172,7 +172,7 @@ def bench_config(base, context: int, gen: int, batch: int, offload: bool):
     if FLAGS.topk:
         cfg = cfg.replace(model__index_topk=FLAGS.topk)
     staging = FLAGS.staging or 2 * cfg.model.index_topk
-    return cfg.replace(cache__offload=offload, cache__staging_capacity=staging,
+    return cfg.replace(cache__offload=offload, cache__hot_buffer_rows=staging,
                        engine__max_batch_size=batch, engine__max_context_len=context + gen,
                        engine__attention_impl=FLAGS.impl)
 
@@ -264,10 +264,10 @@ def step_cost(jitted, args) -> dict:
 
 def step_with_cost(eng: Engine) -> dict:
     """Run one (untimed) engine step and return XLA's cost of its jitted decode step:
-    the runner's `_jit_step(graphdef, state, cache, tokens[b,1], active[b], temps[b],
-    seeds[b], counts[b])` is lowered with exactly the arguments the engine passes."""
+    the runner's `decode_fn(graphdef, state, cache, StepInputs)` is lowered with exactly
+    the arguments the engine passes."""
     runner = eng.runner
-    orig = runner._jit_step
+    orig = runner.decode_fn
     box: dict = {}
 
     def spy(*args):
@@ -278,11 +278,11 @@ def step_with_cost(eng: Engine) -> dict:
                        xla_note=f"cost analysis failed: {type(err).__name__}: {err}"[:300])
         return orig(*args)
 
-    runner._jit_step = spy
+    runner.decode_fn = spy
     try:
         eng.step()
     finally:
-        runner._jit_step = orig
+        runner.decode_fn = orig
     return box or dict(xla_bytes=None, xla_flops=None, xla_note="no decode step ran")
 
 
@@ -295,7 +295,7 @@ def run_one(model, cfg, context: int, label: str, machine: roofline.Machine) -> 
     t0 = time.perf_counter()
     eng = Engine(cfg, model, impl=FLAGS.impl)
     # One synthetic-cache shape per context for both sides (its jit keys on the config).
-    syn_cfg = cfg.replace(cache__offload=False, cache__staging_capacity=0,
+    syn_cfg = cfg.replace(cache__offload=False, cache__hot_buffer_rows=0,
                           engine__max_batch_size=1)
     for i in _bar(range(batch), f"{label}: fill {context} x {batch}"):
         temp = synthetic.synthetic_cache(syn_cfg, jax.random.PRNGKey(FLAGS.seed * 100003 + i),
@@ -319,11 +319,11 @@ def run_one(model, cfg, context: int, label: str, machine: roofline.Machine) -> 
     tokens = batch * steps
     med = float(np.median(times))
     # Positions cached before the first timed step: the context + the warm-up tokens.
-    roof = roofline.decode_step(cfg, batch, context + FLAGS.warmup,
-                                s_q=1 + cfg.engine.num_draft_tokens)
+    roof = roofline.decode_step_cost(cfg, batch, context + FLAGS.warmup,
+                                     s_q=1 + cfg.engine.num_draft_tokens)
     roof_s = roof.time_s(machine)
     rec = dict(label=label, offload=eng.runner.offload, context=context, batch=batch,
-               staging_rows=cfg.staging_capacity if eng.runner.offload else 0,
+               staging_rows=cfg.hot_buffer_rows if eng.runner.offload else 0,
                step_s_median=med, step_s_mean=float(times.mean()),
                step_s=times.tolist(), first_step_s=float(eng.step_seconds[0]),
                tokens_per_s=float(batch / med), fill_s=fill_s,
@@ -613,7 +613,7 @@ def main(argv):
             f"heads, kv_lora {m.kv_lora_rank}, index {m.index_n_heads}x{m.index_head_dim}, "
             f"topk {m.index_topk}, {cfg0.cache.kv_format} rows ({cfg0.row_bytes} B), "
             f"{cfg0.cache.indexer_key_format} keys ({cfg0.indexer_key_bytes} B), "
-            f"hot {cfg0.staging_capacity} rows")
+            f"hot {cfg0.hot_buffer_rows} rows")
     dev = jax.devices()[0]
     machine_desc = (f"{platform.machine()} {os.cpu_count()} cores, {dev.platform}"
                     f"{'' if dev.platform == 'cpu' else ' ' + dev.device_kind}, "

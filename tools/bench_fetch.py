@@ -1,7 +1,17 @@
-"""Benchmark host→device scattered latent-row fetches for each miss-fetch path, and
-in-place device→host row writes, on whatever device JAX sees.
+"""Benchmark host→device scattered latent-row fetches on each of the engine's miss-fetch
+paths, and in-place device→host row writes, on whatever device JAX sees.
 
   python tools/bench_fetch.py --rows=64,512,2048 --pool_rows=480000
+
+Each fetch runs the engine's own code for one layer of one request whose empty hot buffer
+of --rows slots misses every selected row: `in_jit:N` is
+`jlco.offload.latent.latent_for_attention` jitted over an OffloadLatent built as the
+engine builds it (fetch chunks of N rows, 0 = one padded gather), donated so the hot
+buffer is written in place; `host_driven:N` is the host-driven path's sequence, a jitted
+`resolve` and `jlco.offload.host_fetch.miss_list`, then `HostFetcher.fetch` (transfer
+chunks of at most N rows, 0 = one). Both times include the resolution, as both paths
+run it in the engine. storage "file" has no in-jit path (the engine refuses that pair),
+so its in_jit entries are skipped and the note says so.
 
 Results: a table on stdout and bench_fetch.json in --out (a directory, default out/ in
 the repository); --json prints the JSON on stdout instead (table on stderr). Each fetch
@@ -15,6 +25,8 @@ On CPU "host" and "device" are the same RAM: the figures measure the mechanics
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import pathlib
 import sys
 import time
@@ -30,9 +42,17 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from absl import app, flags, logging  # noqa: E402
 
-from jlco.offload.fetch import MissFetcher  # noqa: E402
+from jlco.config import CacheConfig  # noqa: E402
+from jlco.offload.host_fetch import HostFetcher, miss_list  # noqa: E402
 from jlco.offload.host_pool import HostLatentPool  # noqa: E402
-from jlco.offload.hot_buffer import init_hot_buffer, resolve  # noqa: E402
+from jlco.offload.hot_buffer import resolve  # noqa: E402
+from jlco.offload.latent import (  # noqa: E402
+    STAT_MOVED,
+    STAT_NAMES,
+    OffloadLatent,
+    latent_for_attention,
+    lookup_bound,
+)
 from jlco.offload.pages import PageAllocator  # noqa: E402
 from jlco.planning import roofline  # noqa: E402
 from jlco.util import atomic, cli  # noqa: E402
@@ -71,26 +91,87 @@ def _median_s(fn, iters):
     return float(np.median(ts))
 
 
+def _latent(pool, page_table, n, chunk) -> OffloadLatent:
+    """One layer of one request with an empty hot buffer of n slots, built as
+    `jlco.engine.allocation.allocate_cache` builds it but without its host arrays (the
+    in-jit step takes them apart; the host-driven path reads the pool from the host).
+    Committed to the device as the step's outputs are, so a repetition compiles nothing."""
+    return jax.device_put(OffloadLatent(
+        rows=jnp.zeros((1, 1, n, pool.row_bytes), jnp.uint8),
+        slot_pos=jnp.full((1, 1, n), -1, jnp.int32),
+        slot_stamp=jnp.full((1, 1, n), -1, jnp.int32), host=(),
+        page_table=jnp.asarray(page_table, jnp.int32), step=jnp.int32(0),
+        stats=jnp.zeros((1, len(STAT_NAMES)), jnp.int32), policy="lru",
+        page_size=pool.page_size, chunk_rows=chunk), pool.device)
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _in_jit_step(lat, host, positions):
+    """`latent_for_attention` on layer 0 of `lat` (its host pool passed apart, so only
+    the device part is donated) → (lat with its slot table and counters emptied again,
+    so the next repetition misses every row too; slot ids [1, 1, n]; rows moved)."""
+    out, _, ids = latent_for_attention(dataclasses.replace(lat, host=host), 0, positions)
+    return (dataclasses.replace(out, host=(), slot_pos=jnp.full_like(out.slot_pos, -1),
+                                slot_stamp=jnp.full_like(out.slot_stamp, -1),
+                                stats=jnp.zeros_like(out.stats)), ids, out.stats[0, STAT_MOVED])
+
+
+@jax.jit
+def _select(lat, positions):
+    """The host-driven selection after the indexer (as `jlco.engine.host_driven`'s):
+    `resolve` against layer 0's table, which stays empty → (slot ids, miss list)."""
+    res = resolve(lat.slot_pos[0], lat.slot_stamp[0], positions, lat.step, lat.policy,
+                  num_positions=lookup_bound(lat, None))
+    return (res.slot_ids, *miss_list(res, lat.page_table, lat.page_size, lat.rows.shape[2]))
+
+
+def _in_jit_run(pool, page_table, positions, n, chunk):
+    """→ (one repetition, its result: hot-buffer rows [n, R], slot ids [n], rows moved)."""
+    host, state = (pool.array(0),), {"lat": _latent(pool, page_table, n, chunk)}
+
+    def once():
+        state["lat"], state["ids"], state["moved"] = _in_jit_step(state["lat"], host, positions)
+        state["lat"].rows.block_until_ready()
+
+    return once, lambda: (state["lat"].rows[0, 0], state["ids"][0, 0], state["moved"])
+
+
+def _host_run(pool, page_table, positions, n, chunk, fetcher):
+    """`_in_jit_run` for the host-driven path."""
+    lat = _latent(pool, page_table, n, chunk)
+    state = {"rows": lat.rows}
+
+    def once():
+        state["ids"], miss_ids, dest = _select(lat, positions)
+        state["rows"], state["moved"] = fetcher.fetch(state["rows"], 0, miss_ids, dest)
+        state["rows"].block_until_ready()
+
+    return once, lambda: (state["rows"][0, 0], state["ids"][0, 0], state["moved"])
+
+
 def bench_fetch(pool, page_table, n, path, chunk, iters, rng):
     """Fetch n scattered rows (all misses) into an empty hot buffer, repeatedly."""
     positions = rng.choice(pool.num_rows, n, replace=False).astype(np.int32)
-    hb = init_hot_buffer(1, 1, n, pool.row_bytes)
-    res = resolve(hb.slot_pos[0], hb.slot_stamp[0], jnp.asarray(positions)[None, None], 0)
-    fetcher = MissFetcher(pool, path, chunk)
-    state = {"rows": hb.rows[0]}
-
-    def once():
-        state["rows"], stats = fetcher.fetch(state["rows"], 0, page_table, res)
-        state["rows"].block_until_ready()
-        state["moved"] = int(stats.moved_rows)
-
-    t = _median_s(once, iters)
+    pos = jnp.asarray(positions)[None, None]
+    fetcher = None
+    if path == "in_jit":
+        once, result = _in_jit_run(pool, page_table, pos, n, chunk)
+    else:
+        fetcher = HostFetcher(pool, chunk, CacheConfig().prefetch_threads)
+        once, result = _host_run(pool, page_table, pos, n, chunk, fetcher)
+    try:
+        t = _median_s(once, iters)
+    finally:
+        if fetcher is not None:
+            fetcher.close()
+    rows, slot_ids, moved = result()
+    page = pool.page_size
     with pool.view(0) as v:
-        want = v[np.sort(positions)]
-    got = np.asarray(state["rows"])[0][np.asarray(res.victim_slot[0])]
+        want = v[page_table[0, positions // page] * page + positions % page]
+    got = np.asarray(rows)[np.asarray(slot_ids)]
     if not (got == want).all():
         raise AssertionError(f"{path}:{chunk} fetched wrong bytes for n={n}")
-    return {"kind": "fetch", "path": f"{path}:{chunk}", "rows": n, "moved_rows": state["moved"],
+    return {"kind": "fetch", "path": f"{path}:{chunk}", "rows": n, "moved_rows": int(moved),
             "median_s": t, "real_GBps": n * pool.row_bytes / t / 1e9}
 
 
@@ -157,7 +238,7 @@ def main(argv):
     alloc = PageAllocator(num_pages, FLAGS.page_size)
     alloc.reserve("bench", num_pages * FLAGS.page_size)
     page_table = alloc.page_table(["bench"], num_pages)
-    results = []
+    results, skipped = [], []
     with HostLatentPool(1, num_pages, FLAGS.page_size, FLAGS.row_bytes, FLAGS.storage,
                         FLAGS.storage_path) as pool:
         results.append(bench_write(pool, 1, FLAGS.iters, rng))
@@ -165,6 +246,9 @@ def main(argv):
             results.append(bench_write(pool, n, FLAGS.iters, rng))
             for spec in FLAGS.paths:
                 path, chunk = spec.split(":")
+                if path == "in_jit" and FLAGS.storage == "file":
+                    skipped.append(spec)
+                    continue
                 results.append(bench_fetch(pool, page_table, n, path, int(chunk), FLAGS.iters, rng))
     link, link_source = _link_gbps(dev)
     first = FLAGS.paths[0]
@@ -173,8 +257,12 @@ def main(argv):
         ref = next((x for x in results if x["kind"] == r["kind"] == "fetch"
                     and x["rows"] == r["rows"] and x["path"] == first), None)
         r["vs_first_path"] = ref["median_s"] / r["median_s"] if ref else None
-    note = ("CPU backend: host and device share RAM; these figures measure the mechanics "
-            "only, not a host-device link" if dev.platform == "cpu" else "")
+    notes = (["CPU backend: host and device share RAM; these figures measure the mechanics "
+              "only, not a host-device link"] if dev.platform == "cpu" else [])
+    if skipped:
+        notes.append(f"skipped {', '.join(dict.fromkeys(skipped))}: storage 'file' has no "
+                     "in-jit fetch path")
+    note = "; ".join(notes)
     report = {"device": str(dev), "device_kind": dev.device_kind, "platform": dev.platform,
               "jax": jax.__version__,
               "pool_bytes": num_pages * FLAGS.page_size * FLAGS.row_bytes,

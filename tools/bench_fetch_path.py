@@ -131,7 +131,7 @@ def main(argv):
     machine = _machine()
     # Positions cached per request at the middle timed step.
     mid = [FLAGS.prompt + 10 * i + FLAGS.warmup + FLAGS.steps // 2 for i in range(b)]
-    roof = roofline.decode_step(cfg, b, mid)
+    roof = roofline.decode_step_cost(cfg, b, mid)
     roof_s = roof.time_s(machine)
     result = {"config": cfg.name, "batch": b, "steps": FLAGS.steps,
               "device_kind": jax.devices()[0].device_kind, "jax": jax.__version__,

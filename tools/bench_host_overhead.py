@@ -75,8 +75,8 @@ def measure(cfg, model, batch: int) -> dict:
         eng.close()
     # The machine's limit for the same work: bytes / bandwidth, FLOPs / peak (drafts
     # make s_q = 1 + num_draft_tokens query tokens per request).
-    roof = roofline.decode_step(cfg, active, FLAGS.prompt_len + FLAGS.steps // 2,
-                                s_q=1 + cfg.engine.num_draft_tokens)
+    roof = roofline.decode_step_cost(cfg, active, FLAGS.prompt_len + FLAGS.steps // 2,
+                                     s_q=1 + cfg.engine.num_draft_tokens)
     roof_s = roof.time_s(roofline.cpu_machine())
     return {"batch": batch, "active": active, "context": ctx, "step_ms_p50": step * 1e3,
             "loop_ms_mean": wall * 1e3, "host_ms_p50": host * 1e3,

@@ -36,7 +36,7 @@ def define_flags() -> None:
     flags.DEFINE_integer("batch", 4, "requests (every slot busy)", lower_bound=1)
     flags.DEFINE_integer("prompt_len", 2048, "prompt tokens per request", lower_bound=1)
     flags.DEFINE_integer("steps", 16, "timed decode steps per engine", lower_bound=2)
-    flags.DEFINE_integer("staging", 0, "cache.staging_capacity, hot-buffer rows per request "
+    flags.DEFINE_integer("staging", 0, "cache.hot_buffer_rows, hot-buffer rows per request "
                          "and layer (0 = the config's, at least top-k)", lower_bound=0)
     flags.DEFINE_string("out", None, "output directory (default out/bench_offload_ratio)")
     flags.DEFINE_bool("json", False, "print the JSON on stdout (the table goes to stderr)")
@@ -76,7 +76,7 @@ def measure(cfg, model) -> dict:
     finally:
         off.close()
         on.close()
-    roof = roofline.decode_step(cfg, FLAGS.batch, FLAGS.prompt_len + FLAGS.steps // 2)
+    roof = roofline.decode_step_cost(cfg, FLAGS.batch, FLAGS.prompt_len + FLAGS.steps // 2)
     roof_ms = roof.time_s(roofline.cpu_machine()) * 1e3
     p_off, p_on = statistics.median(t_off) * 1e3, statistics.median(t_on) * 1e3
     q = len(pairs) // 4
@@ -101,7 +101,7 @@ def main(argv):
         over = dict(engine__max_batch_size=FLAGS.batch,
                     engine__max_context_len=FLAGS.prompt_len + FLAGS.steps + 8)
         if FLAGS.staging:
-            over["cache__staging_capacity"] = FLAGS.staging
+            over["cache__hot_buffer_rows"] = FLAGS.staging
         base = base.replace(**over)
         choice = choice_lib.random_choice(base, None, 0)
         cfg = base.replace(model=choice.model)
@@ -111,7 +111,7 @@ def main(argv):
     out = pathlib.Path(FLAGS.out or ROOT / "out" / "bench_offload_ratio")
     out.mkdir(parents=True, exist_ok=True)
     report = {"config": cfg.name, "batch": FLAGS.batch, "prompt_len": FLAGS.prompt_len,
-              "steps": FLAGS.steps, "staging_capacity": cfg.staging_capacity,
+              "steps": FLAGS.steps, "hot_buffer_rows": cfg.hot_buffer_rows,
               "topk": cfg.model.index_topk,
               "machine": {"platform": platform.platform(), "device": str(jax.devices()[0]),
                           "cpus": __import__("os").cpu_count()}, **r}

@@ -14,7 +14,7 @@ a warm-up of each:
             with past_key_values; jlco: engine steps).
 Ratios: jlco / transformers speed, and each side against the roofline
 (`jlco.planning.roofline`: bytes a step must touch ÷ memory bandwidth, FLOPs ÷ peak; the
-prefill's is `decode_step` with s_q = prompt_len query tokens per request over an empty
+prefill's is `decode_step_cost` with s_q = prompt_len query tokens per request over an empty
 cache, the FLOPs bound). The greedy tokens of both are compared per prompt, the first
 token (the prefill's) on its own (equal up to float ties on a random model).
 
@@ -122,8 +122,8 @@ def roofline_s(cfg, machine) -> tuple[float, float]:
     prompt_len query tokens per request over an empty cache; the step at its end."""
     from jlco.planning import roofline
     b, n = FLAGS.batch, FLAGS.prompt_len
-    return (roofline.decode_step(cfg, b, 0, s_q=n).time_s(machine),
-            roofline.decode_step(cfg, b, n).time_s(machine))
+    return (roofline.decode_step_cost(cfg, b, 0, s_q=n).time_s(machine),
+            roofline.decode_step_cost(cfg, b, n).time_s(machine))
 
 
 def compare(ours: dict, peer: dict, cfg) -> dict:

@@ -37,6 +37,7 @@ sys.path.insert(0, str(ROOT))
 from jlco.config import load_config  # noqa: E402
 from jlco.engine import synthetic  # noqa: E402
 from jlco.engine.core import Engine  # noqa: E402
+from jlco.engine.inputs import StepInputs  # noqa: E402
 from jlco.model.decoder import DeepseekV32  # noqa: E402
 from jlco.model.kv_cache import scan_bucket  # noqa: E402
 
@@ -108,9 +109,7 @@ def profile_decode(model, context: int) -> dict:
     # The step's own arguments, with the scan bucket the engine chose (`ModelRunner.dispatch`).
     scan = scan_bucket(int(run.slot_len.max()) + 1, run.max_len)
     args = (run.graphdef, run.state, dataclasses.replace(run.cache, scan_len=scan),
-            np.zeros((b, 1), np.int32), np.ones((b,), bool), np.zeros((b,), np.float32),
-            np.zeros((b,), np.uint32), np.zeros((b,), np.int32), np.ones((b,), np.float32),
-            np.zeros((b,), np.int32))
+            dataclasses.replace(StepInputs.from_requests([], b), active=np.ones((b,), bool)))
     trace_dir = os.path.join(FLAGS.out, f"trace_decode_{context}")
     shutil.rmtree(trace_dir, ignore_errors=True)
     with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
@@ -118,7 +117,7 @@ def profile_decode(model, context: int) -> dict:
         eng.step()
     fams = {}
     if run.host is None and run.spec is None:
-        fams = op_families(trace_dir, run._jit_step.lower(*args).compile().as_text(), 2)
+        fams = op_families(trace_dir, run.decode_fn.lower(*args).compile().as_text(), 2)
     return dict(context=context, batch=FLAGS.batch,
                 step_ms=1e3 * float(np.median(eng.step_seconds[:FLAGS.steps])),
                 op_ms=fams)

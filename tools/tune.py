@@ -1,6 +1,6 @@
 """Tune the offload knobs on a short real-engine workload and write the winning config.
 
-Every candidate (prefetch_window x prefetch_threads x staging_capacity x eviction x
+Every candidate (fetch_chunk_rows x prefetch_threads x hot_buffer_rows x eviction x
 fetch_path x storage) builds a real `jlco.engine.core.Engine` on the same model, compiles it
 with a short warm-up run of the workload (not timed), then decodes the workload
 `--repeats` times and reports the median pass by throughput:
@@ -20,7 +20,7 @@ Each candidate compiles, so grids are small by default.
 
   python tools/tune.py --config configs/tiny.py --output /tmp/tiny_tuned.py --tpot_ms 50
   python tools/tune.py --config configs/32k.py --checkpoint /ckpt/v32 --batch 8 \
-      --prompt_len 4096 --gen_len 64 --staging_capacity 1x,2x,4x --output tuned_32k.py
+      --prompt_len 4096 --gen_len 64 --hot_buffer_rows 1x,2x,4x --output tuned_32k.py
 """
 
 from __future__ import annotations
@@ -50,10 +50,13 @@ def define_flags() -> None:
     flags.DEFINE_string("config", None, "python config file (configs/*.py)")
     flags.DEFINE_string("checkpoint", "", "HF or jlco Orbax checkpoint (default: random weights)")
     flags.DEFINE_string("output", "", "write the winning config here (python, CONFIG = Config(...))")
-    flags.DEFINE_list("prefetch_window", ["64", "256"], "cache.prefetch_window values")
+    flags.DEFINE_list("fetch_chunk_rows", ["64", "256"], "cache.fetch_chunk_rows values")
     flags.DEFINE_list("prefetch_threads", [], "cache.prefetch_threads values (default: the config's)")
-    flags.DEFINE_list("staging_capacity", ["1x", "2x"], "cache.staging_capacity values: rows, or "
-                      "'Nx' = N x Config.min_staging_capacity")
+    flags.DEFINE_list("hot_buffer_rows", ["1x", "2x"], "cache.hot_buffer_rows values: rows, or "
+                      "'Nx' = N x Config.min_hot_buffer_rows")
+    # The knobs' old names stay accepted as flags for one release (jlco.config.RENAMED).
+    flags.DEFINE_alias("prefetch_window", "fetch_chunk_rows")
+    flags.DEFINE_alias("staging_capacity", "hot_buffer_rows")
     flags.DEFINE_list("eviction", ["lru", "fifo"], "cache.eviction values")
     flags.DEFINE_list("fetch_path", ["in_jit", "host_driven"], "cache.fetch_path values")
     flags.DEFINE_list("storage", [], "cache.storage values (default: the config's; 'file' needs "
@@ -78,7 +81,7 @@ def define_flags() -> None:
     flags.DEFINE_bool("json", False, "print JSON instead of the table")
 
 
-KNOBS = ("prefetch_window", "prefetch_threads", "staging_capacity", "eviction", "fetch_path",
+KNOBS = ("fetch_chunk_rows", "prefetch_threads", "hot_buffer_rows", "eviction", "fetch_path",
          "storage")
 
 
@@ -104,13 +107,13 @@ class Workload:
 
 
 def parse_capacity(value: str, cfg: Config) -> int:
-    """'64' → 64 rows; '2x' → 2 x min_staging_capacity (index_topk x (1 + drafts))."""
+    """'64' → 64 rows; '2x' → 2 x min_hot_buffer_rows (index_topk x (1 + drafts))."""
     v = str(value).strip()
     try:
-        return int(float(v[:-1]) * cfg.min_staging_capacity) if v.endswith("x") else int(v)
+        return int(float(v[:-1]) * cfg.min_hot_buffer_rows) if v.endswith("x") else int(v)
     except ValueError:
-        raise ValueError(f"staging_capacity={value!r} is invalid: allowed rows (int) or "
-                         f"'Nx' (N x min_staging_capacity={cfg.min_staging_capacity})") from None
+        raise ValueError(f"hot_buffer_rows={value!r} is invalid: allowed rows (int) or "
+                         f"'Nx' (N x min_hot_buffer_rows={cfg.min_hot_buffer_rows})") from None
 
 
 def candidates(base: Config, grid: dict, seed: int = 0) -> list[Config]:
@@ -324,9 +327,9 @@ def _ints(name: str, values) -> list[int]:
 
 def _grid(cfg: Config) -> dict:
     threads = FLAGS.prefetch_threads or [cfg.cache.prefetch_threads]
-    return dict(prefetch_window=_ints("prefetch_window", FLAGS.prefetch_window),
+    return dict(fetch_chunk_rows=_ints("fetch_chunk_rows", FLAGS.fetch_chunk_rows),
                 prefetch_threads=_ints("prefetch_threads", threads),
-                staging_capacity=sorted({parse_capacity(v, cfg) for v in FLAGS.staging_capacity}),
+                hot_buffer_rows=sorted({parse_capacity(v, cfg) for v in FLAGS.hot_buffer_rows}),
                 eviction=list(FLAGS.eviction), fetch_path=list(FLAGS.fetch_path),
                 storage=list(FLAGS.storage) or [cfg.cache.storage])
 

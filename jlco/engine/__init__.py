@@ -5,8 +5,9 @@ pages, admission, abort, finish and stop conditions; it decides what runs each s
 functions), `host_driven` (the host-driven fetch path), `speculative` (MTP drafts +
 greedy-exact verification) and `synthetic` (PD-style synthetic prefilled contexts).
 
-May import: everything below it (`jlco.model`, `jlco.offload`, `jlco.config`,
-`jlco.planning.trace`); nothing above (entry points, tools). This file imports nothing
+May import: everything below it (`jlco.model`, `jlco.offload`, `jlco.pallas` (the
+kernel choice), `jlco.parallel` (the mesh), `jlco.config`, `jlco.planning.trace`,
+`jlco.util`); nothing above (the server, entry points, tools). This file imports nothing
 eagerly so that `jlco.engine.scheduler` loads without jax; `from jlco.engine import
 Engine` works through the lazy lookup below.
 """

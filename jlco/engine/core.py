@@ -12,8 +12,10 @@ import time
 from typing import Iterable
 
 from jlco.config import Config
-from jlco.engine.runner import WARMUP_QUERIES, ModelRunner
-from jlco.engine.scheduler import Request, RequestError, Scheduler
+from jlco.engine.prefill import WARMUP_QUERIES
+from jlco.engine.runner import ModelRunner
+from jlco.engine.scheduler import (AdmissionStatus, Request, RequestError, RequestFields,
+                                   Scheduler, check_request)
 from jlco.engine.transfer import PrefilledRequest
 
 __all__ = ["Engine", "Request", "RequestError"]
@@ -41,7 +43,7 @@ class Engine:
         # Host time of each step that did not overlap the device: scheduling, dispatch,
         # token bookkeeping (the step's wall time minus the time spent waiting on it).
         self.host_seconds: list[float] = []
-        self._jobs: collections.deque = collections.deque()   # runner.PrefillJob, oldest first
+        self._jobs: collections.deque = collections.deque()   # prefill.PrefillJob, oldest first
         self._imports: dict[int, float] = {}   # imported, unclaimed prefills: import time
         self.orphans_swept = 0
 
@@ -63,6 +65,22 @@ class Engine:
         return self.scheduler.add(prompt, max_new_tokens, temperature, seed, stop_token_ids,
                                   top_p=top_p, top_k=top_k)
 
+    def check_request(self, prompt, max_new_tokens: int, temperature: float = 0.0,
+                      seed: int = 0, stop_token_ids: Iterable[int] = (), *, top_p: float = 1.0,
+                      top_k: int = 0) -> RequestFields:
+        """The fields `submit` would accept, normalised, or RequestError naming the bad one
+        (`jlco.engine.scheduler.check_request` against this engine's vocabulary and
+        context). Pure Python, so the server calls it on its own thread too."""
+        return check_request(prompt, max_new_tokens, temperature, seed, stop_token_ids,
+                             top_p=top_p, top_k=top_k, vocab_size=self.cfg.model.vocab_size,
+                             max_context_len=self.cfg.engine.max_context_len)
+
+    def admission_status(self) -> AdmissionStatus:
+        """Waiting and running requests, free slots, pool usage and watermarks, per-rank
+        and host-pool counts (`jlco.engine.scheduler.AdmissionStatus`): what the server
+        reports, read without reaching into the scheduler."""
+        return self.scheduler.status()
+
     def abort(self, request_id: int) -> None:
         """Abort a waiting, prefilling or running request: its slot and pages come back."""
         self.finish(request_id, "abort")
@@ -80,9 +98,8 @@ class Engine:
         """Prefill `prompt` here (a prefill node: no slot, no pages, nothing kept) and
         return it for a decode node's `import_prefill`, which reserves room for
         `max_new_tokens`. Invalid fields raise RequestError naming them."""
-        sched = self.scheduler
-        probe = Scheduler(1, sched.max_context_len, sched.vocab_size)
-        req = probe.add(prompt, max_new_tokens)      # the same validation as submit
+        f = self.check_request(prompt, max_new_tokens)
+        req = Request(-1, f.prompt, f.max_new_tokens)   # never queued: no id of its own
         job = self.runner.start_prefill(req, None, record=True)
         while not job.finished:
             self.runner.prefill_piece(job)
@@ -93,7 +110,7 @@ class Engine:
         prompt + max_new_tokens, rows installed, hot buffer warmed). It decodes once a
         request `claim`s it; unclaimed it is freed by `sweep`. A payload that does not fit
         this engine is a ValueError naming the tensor; no free slot or pages: RequestError
-        / HostPoolFull."""
+        of kind "no_slot" / "no_pages"."""
         p.check(self.cfg)
         req = self.scheduler.add_running(len(p.prompt), p.max_new_tokens)
         req.prompt = list(p.prompt)
@@ -113,15 +130,15 @@ class Engine:
         prompt must be the imported one and max_new_tokens within the reserved room."""
         req = self.scheduler.requests.get(request_id)
         if req is None or request_id not in self._imports:
-            raise RequestError(f"prefill_id: no unclaimed imported prefill {request_id!r}")
+            raise RequestError(f"prefill_id: no unclaimed imported prefill {request_id!r}",
+                               "prefill_id", "not_found")
         if list(prompt) != req.prompt:
-            raise RequestError("prompt: differs from the imported prefill's prompt")
+            raise RequestError("prompt: differs from the imported prefill's prompt", "prompt")
         if max_new_tokens > req.max_new_tokens:
             raise RequestError(f"max_new_tokens={max_new_tokens}: the import reserved room for "
-                               f"{req.max_new_tokens}")
-        # The same field checks as submit, on a throwaway scheduler.
-        checked = Scheduler(1, self.scheduler.max_context_len, self.scheduler.vocab_size).add(
-            prompt, max_new_tokens, temperature, seed, stop_token_ids, top_p=top_p, top_k=top_k)
+                               f"{req.max_new_tokens}", "max_new_tokens")
+        checked = self.check_request(prompt, max_new_tokens, temperature, seed, stop_token_ids,
+                                     top_p=top_p, top_k=top_k)
         for f in ("max_new_tokens", "temperature", "seed", "stop_token_ids", "top_p", "top_k"):
             setattr(req, f, getattr(checked, f))
         del self._imports[request_id]

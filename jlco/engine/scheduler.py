@@ -27,14 +27,26 @@ import dataclasses
 import itertools
 from typing import Iterable, Sequence
 
-from jlco.offload.pages import PageAllocator, RankedPages
+from jlco.offload.pages import HostPoolFull, PageAllocator, RankedPages
 
 STATUSES = ("waiting", "running", "finished", "aborted")
 FINISH_REASONS = ("length", "stop", "abort")
+# Why a request is refused (`RequestError.kind`): a bad value; prompt + max_new_tokens
+# beyond engine.max_context_len; no such request; no free batch slot / host pages now
+# (the same request may fit later).
+REFUSALS = ("invalid", "too_long", "not_found", "no_slot", "no_pages")
 
 
 class RequestError(ValueError):
-    """A request field is invalid; the message names it and what is allowed."""
+    """A refused request. The message names the field and what is allowed; `field` is
+    that field (None when no single field is at fault) and `kind` one of REFUSALS, so a
+    caller (the server's HTTP status) decides on them, never on the message's text."""
+
+    def __init__(self, message: str, field: str | None = None, kind: str = "invalid"):
+        if kind not in REFUSALS:
+            raise ValueError(f"kind={kind!r} is invalid: allowed one of {REFUSALS}")
+        super().__init__(message)
+        self.field, self.kind = field, kind
 
 
 @dataclasses.dataclass
@@ -79,8 +91,115 @@ class SchedulerOutput:
         return not self.prefills and not self.decodes
 
 
+@dataclasses.dataclass(frozen=True)
+class RankStatus:
+    """One data rank: requests in its slots, requests pinned to it so far, and the
+    fraction of its host pages in use (None with the latent cache on device)."""
+    running: int
+    admitted: int
+    host_usage: float | None
+
+
+@dataclasses.dataclass(frozen=True)
+class HostPoolStatus:
+    """The host page pool: pages reserved, pages in all, tokens a page holds, and pages
+    owned by no running request (a leak: should stay 0)."""
+    used_pages: int
+    num_pages: int
+    page_size: int
+    leaked_pages: int
+
+
+@dataclasses.dataclass(frozen=True)
+class AdmissionStatus:
+    """Admission as it stands, for readers outside the engine thread (the server's
+    health, queue bound and metrics): counts copied out of the scheduler, so a reader
+    never walks its lists while the engine changes them. `pool_usage`, `watermarks`
+    and `paused` are per pool ("host" offloaded, "device" = batch slots)."""
+    waiting: int
+    running: int
+    slots: int
+    pool_usage: dict[str, float]
+    watermarks: dict[str, tuple[float, float] | None]
+    paused: dict[str, bool]
+    ranks: tuple[RankStatus, ...]
+    host_pool: HostPoolStatus | None
+
+    @property
+    def free_slots(self) -> int:
+        return self.slots - self.running
+
+    def holding_pool(self) -> str | None:
+        """The pool whose watermark holds admission: paused, or above its high watermark
+        (the next step pauses it); None when admission is open."""
+        for pool, paused in self.paused.items():
+            marks = self.watermarks[pool]
+            if marks is not None and (paused or self.pool_usage.get(pool, 0.0) > marks[0]):
+                return pool
+        return None
+
+
 def _is_token(t, vocab: int) -> bool:
     return isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
+
+
+def _as_int(t):
+    """numpy and other integer scalars as Python ints (bools and the rest unchanged)."""
+    return int(t) if hasattr(t, "__index__") and not isinstance(t, bool) else t
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestFields:
+    """A request's fields as `check_request` accepted them, normalised (Python ints and
+    floats, top_k capped at the vocabulary)."""
+    prompt: list[int]
+    max_new_tokens: int
+    temperature: float
+    seed: int
+    stop_token_ids: tuple[int, ...]
+    top_p: float
+    top_k: int
+
+
+def _is_number(v, lo: float, hi: float, *, open_lo: bool = False) -> bool:
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool)
+    return ok and (lo < v if open_lo else lo <= v) and v <= hi
+
+
+def check_request(prompt: Sequence[int], max_new_tokens: int, temperature: float = 0.0,
+                  seed: int = 0, stop_token_ids: Iterable[int] = (), *, top_p: float = 1.0,
+                  top_k: int = 0, vocab_size: int, max_context_len: int) -> RequestFields:
+    """The one check of a request's fields, for every way in (queued, claimed after a PD
+    import, prefilled for export, and the server before it queues): → RequestFields, or
+    RequestError naming the first bad field."""
+    vocab = vocab_size
+    prompt = [_as_int(t) for t in prompt]
+    if not prompt or not all(_is_token(t, vocab) for t in prompt):
+        raise RequestError(f"prompt: must be a non-empty list of token ids in 0..{vocab - 1}",
+                           "prompt")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) \
+            or max_new_tokens < 1:
+        raise RequestError(f"max_new_tokens={max_new_tokens!r}: allowed an integer >= 1",
+                           "max_new_tokens")
+    if len(prompt) + max_new_tokens > max_context_len:
+        raise RequestError(f"len(prompt) + max_new_tokens = {len(prompt) + max_new_tokens} "
+                           f"exceeds engine.max_context_len={max_context_len}",
+                           "max_new_tokens", "too_long")
+    if not _is_number(temperature, 0.0, 100.0):
+        raise RequestError(f"temperature={temperature!r}: allowed 0 (greedy) .. 100",
+                           "temperature")
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2 ** 32:
+        raise RequestError(f"seed={seed!r}: allowed an integer in 0..2**32-1", "seed")
+    if not _is_number(top_p, 0.0, 1.0, open_lo=True):
+        raise RequestError(f"top_p={top_p!r}: allowed a number in (0, 1] (1 = off)", "top_p")
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
+        raise RequestError(f"top_k={top_k!r}: allowed an integer >= 0 (0 = off)", "top_k")
+    stops = tuple(_as_int(t) for t in stop_token_ids)
+    if not all(_is_token(t, vocab) for t in stops):
+        raise RequestError(f"stop_token_ids={list(stops)!r}: allowed token ids in "
+                           f"0..{vocab - 1}", "stop_token_ids")
+    return RequestFields(prompt, max_new_tokens, float(temperature), seed, stops,
+                         float(top_p), min(top_k, vocab))
 
 
 class Scheduler:
@@ -123,35 +242,13 @@ class Scheduler:
     def add(self, prompt: Sequence[int], max_new_tokens: int, temperature: float = 0.0,
             seed: int = 0, stop_token_ids: Iterable[int] = (), *, top_p: float = 1.0,
             top_k: int = 0) -> Request:
-        """Validate and queue a request; a bad field raises RequestError naming it."""
-        vocab = self.vocab_size
-        prompt = [int(t) if hasattr(t, "__index__") and not isinstance(t, bool) else t
-                  for t in prompt]
-        if not prompt or not all(_is_token(t, vocab) for t in prompt):
-            raise RequestError(f"prompt: must be a non-empty list of token ids in 0..{vocab - 1}")
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) \
-                or max_new_tokens < 1:
-            raise RequestError(f"max_new_tokens={max_new_tokens!r}: allowed an integer >= 1")
-        if len(prompt) + max_new_tokens > self.max_context_len:
-            raise RequestError(f"len(prompt) + max_new_tokens = {len(prompt) + max_new_tokens} "
-                               f"exceeds engine.max_context_len={self.max_context_len}")
-        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) \
-                or not 0.0 <= temperature <= 100.0:
-            raise RequestError(f"temperature={temperature!r}: allowed 0 (greedy) .. 100")
-        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2 ** 32:
-            raise RequestError(f"seed={seed!r}: allowed an integer in 0..2**32-1")
-        if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) \
-                or not 0.0 < top_p <= 1.0:
-            raise RequestError(f"top_p={top_p!r}: allowed a number in (0, 1] (1 = off)")
-        if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
-            raise RequestError(f"top_k={top_k!r}: allowed an integer >= 0 (0 = off)")
-        stops = tuple(int(t) if hasattr(t, "__index__") and not isinstance(t, bool) else t
-                      for t in stop_token_ids)
-        if not all(_is_token(t, vocab) for t in stops):
-            raise RequestError(f"stop_token_ids={list(stops)!r}: allowed token ids in "
-                               f"0..{vocab - 1}")
-        req = Request(next(self._ids), prompt, max_new_tokens, float(temperature), seed, stops,
-                      top_p=float(top_p), top_k=min(top_k, vocab))
+        """Check (`check_request`) and queue a request; a bad field raises RequestError
+        naming it."""
+        f = check_request(prompt, max_new_tokens, temperature, seed, stop_token_ids,
+                          top_p=top_p, top_k=top_k, vocab_size=self.vocab_size,
+                          max_context_len=self.max_context_len)
+        req = Request(next(self._ids), f.prompt, f.max_new_tokens, f.temperature, f.seed,
+                      f.stop_token_ids, top_p=f.top_p, top_k=f.top_k)
         self.requests[req.id] = req
         self.waiting.append(req)
         return req
@@ -159,16 +256,21 @@ class Scheduler:
     def add_running(self, context_len: int, max_new_tokens: int) -> Request:
         """Admit, outside the queue, a request whose prefill happened elsewhere (a
         PD-disaggregated decode node): a free slot and pages for `context_len` +
-        `max_new_tokens` positions now, or RequestError / HostPoolFull. Its prompt is
-        unknown here (empty)."""
+        `max_new_tokens` positions now, or RequestError (kind "no_slot" / "no_pages"
+        when it may fit later). Its prompt is unknown here (empty)."""
         if None not in self.slots:
-            raise RequestError(f"no free batch slot (engine.max_batch_size={len(self.slots)})")
+            raise RequestError(f"no free batch slot (engine.max_batch_size={len(self.slots)})",
+                               kind="no_slot")
         if context_len + max_new_tokens > self.max_context_len:
             raise RequestError(f"context {context_len} + max_new_tokens {max_new_tokens} "
-                               f"exceeds engine.max_context_len={self.max_context_len}")
+                               f"exceeds engine.max_context_len={self.max_context_len}",
+                               "max_new_tokens", "too_long")
         req = Request(next(self._ids), [], max_new_tokens)
         rank = self._choose_rank(context_len + max_new_tokens)
-        self._reserve(req.id, context_len + max_new_tokens, 0 if rank is None else rank)
+        try:
+            self._reserve(req.id, context_len + max_new_tokens, 0 if rank is None else rank)
+        except HostPoolFull as err:
+            raise RequestError(str(err), kind="no_pages") from err
         self.requests[req.id] = req
         self._place(req, rank)
         return req
@@ -186,7 +288,8 @@ class Scheduler:
             raise ValueError(f"reason={reason!r}: allowed 'abort' or 'stop'")
         req = self.requests.get(request_id)
         if req is None:
-            raise RequestError(f"request_id={request_id!r}: no such request")
+            raise RequestError(f"request_id={request_id!r}: no such request", "request_id",
+                               "not_found")
         if req.done:
             return
         if req in self.waiting:
@@ -229,6 +332,22 @@ class Scheduler:
             elif not self.paused[pool] and frac > high:
                 self.paused[pool] = True
         return next((p for p in ("host", "device") if self.paused[p]), None)
+
+    def status(self) -> AdmissionStatus:
+        """A copy of admission's counts (`AdmissionStatus`), safe to read off-thread."""
+        slots = list(self.slots)
+        live = {r.id for r in slots if r is not None}
+        pool = None
+        if self.pages is not None:
+            leaked = sum(len(self.pages.pages_of(rid)) for rid in set(self.pages.requests) - live)
+            pool = HostPoolStatus(self.pages.used_pages, self.pages.num_pages,
+                                  self.pages.page_size, leaked)
+        ranks = tuple(RankStatus(int(use["running"]), n, use.get("host"))
+                      for use, n in zip(self.rank_usage(), list(self.admitted_per_rank)))
+        return AdmissionStatus(
+            waiting=len(self.waiting), running=sum(r is not None for r in slots),
+            slots=len(slots), pool_usage=self.pool_usage(), watermarks=dict(self.watermarks),
+            paused=dict(self.paused), ranks=ranks, host_pool=pool)
 
     def append(self, req: Request, token: int, logprob: float) -> bool:
         """Record one generated token; → True when it finished the request (its slot

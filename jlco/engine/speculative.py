@@ -33,7 +33,7 @@ written per prefill chunk and by the catch-up of step 1. Deviation: vLLM zeroes 
 token embedding at position 0; `DeepseekV32.mtp_logits` does not (model-owned).
 
 Temperature > 0 (`engine.spec_sampling`): p_j is the softmax of position j's logits
-after the request's temperature, top-k and top-p (`steps.sampling_logits`); all the
+after the request's temperature, top-k and top-p (`sampling.sampling_logits`); all the
 randomness of the token number i = len(tokens)+j comes from fold_in(PRNGKey(seed), i),
 so a request draws the same tokens alone or in any batch, in any slot.
   "rejection"  speculative sampling (Leviathan et al.; vLLM's rejection sampler with
@@ -69,10 +69,11 @@ from flax import nnx
 from jax.sharding import SingleDeviceSharding
 
 from jlco.engine import host_driven as engine_host
-from jlco.engine.steps import mask_inactive, sampling_logits
-from jlco.model.decode import _logits, prefill
+from jlco.engine.inputs import DecodeOutput, StepInputs
+from jlco.engine.sampling import verify
+from jlco.engine.steps import close_step, open_step
+from jlco.model.prefill import final_logits, prefill
 from jlco.model.kv_cache import scan_bucket
-from jlco.offload.latent import OffloadLatent
 
 
 class DraftInputs(NamedTuple):
@@ -178,80 +179,27 @@ class SpecMetrics:
                     acceptance_rate=self.acceptance_rate)
 
 
-def rejection_accept(logits, drafts, keys):
-    """Speculative sampling of one request's verified positions against point-mass
-    drafts. logits [s, V]: position j's sampling logits (`steps.sampling_logits`: -inf
-    outside the kept set), s = n + 1; drafts int32 [n]: d_{j+1}, proposed for position
-    j; keys [s, 2]: position j's key. → (tokens int32 [s], accept bool [n]): draft j+1
-    is accepted with probability p_j(d) (a uniform drawn with split(key_j)[0]); token
-    j < n is d_{j+1} if accepted, else a draw from p_j without d (the residual, drawn
-    with split(key_j)[1], independent of the uniform); token n is a draw from p_n with
-    key_n itself (the bonus token: the draw "per_token" and plain sampling make). The
-    caller emits tokens 0..a, a = leading accepts: each is distributed as p_j, and each
-    token number's key serves one emitted token (a later step starts after them)."""
-    n = drafts.shape[0]
-    rows = jnp.arange(n)
-    split = jax.vmap(jax.random.split)(keys[:n])                          # [n, 2, 2]
-    p_draft = jnp.exp(jax.nn.log_softmax(logits[:n], axis=-1)[rows, drafts])
-    accept = jax.vmap(jax.random.uniform)(split[:, 0]) < p_draft
-    # p_j(d) == 1 leaves the residual empty, but then u < 1 always accepts.
-    residual = logits[:n].at[rows, drafts].set(-jnp.inf)
-    redrawn = jax.vmap(jax.random.categorical)(split[:, 1], residual)
-    bonus = jax.random.categorical(keys[n], logits[n])
-    tokens = jnp.concatenate([jnp.where(accept, drafts, redrawn), bonus[None]])
-    return tokens.astype(jnp.int32), accept
-
-
-def _verify_tokens(logits, drafts, temps, keys, top_ps, top_ks, sampling: str):
-    """logits [b, s, V], drafts [b, n], per-slot temps / top_ps / top_ks [b], keys [b, s, 2]
-    → (tokens int32 [b, s], accept bool [b, n]) before the leading-accept cut. Greedy
-    rows: argmax, accepted while equal; sampled rows: `per_token` draws with the
-    non-speculative key and accepts while equal, `rejection` uses `rejection_accept`."""
-    b, s, v = logits.shape
-    flat = sampling_logits(logits.reshape(b * s, v), jnp.repeat(temps, s),
-                           jnp.repeat(top_ps, s), jnp.repeat(top_ks, s))
-    drawn = jax.vmap(jax.random.categorical)(keys.reshape(b * s, -1), flat).reshape(b, s)
-    tok = jnp.where(temps[:, None] > 0, drawn, jnp.argmax(logits, axis=-1)).astype(jnp.int32)
-    accept = drafts == tok[:, :s - 1]
-    if sampling == "rejection":
-        rej_tok, rej_accept = jax.vmap(rejection_accept)(flat.reshape(b, s, v), drafts, keys)
-        sampled = temps > 0
-        tok = jnp.where(sampled[:, None], rej_tok, tok)
-        accept = jnp.where(sampled[:, None], rej_accept, accept)
-    return tok, accept
-
-
-def spec_step(graphdef, state, cache, pend_h, pend_tok, pend_n, host_drafts, active, temps,
-              top_ps, top_ks, base_keys, counts, limit, *, drafter: Drafter, n: int,
-              impl: str, sampling: str):
-    """One speculative step for every slot → (targets int32 [b, n+1], their log-probs
-    [b, n+1], accepted drafts [b], verify hidden [b, n+1, d], drafts [b, n], cache).
-    top_ps [b], top_ks int32 [b]: the sampling filters (1 / 0 = off); counts [b]:
-    tokens emitted so far (the PRNG index of target 0); limit [b]: tokens the request
-    may still emit (>= 1 when active); sampling: `engine.spec_sampling`."""
+def spec_step(graphdef, state, cache, pend_h, inputs: StepInputs, pend_n, host_drafts, *,
+              drafter: Drafter, n: int, impl: str, sampling: str):
+    """One speculative step for every slot: the decode step (`steps.open_step`, the
+    model's forward, `steps.close_step`) with the drafter before the forward and
+    `sampling.verify` after it. inputs.tokens [b, n+1]: each slot's pending tokens
+    (`DraftInputs.pend_tok`, the last real one is x_L); pend_n [b]: how many are real;
+    host_drafts [b, n]. → (targets int32 [b, n+1], their log-probs [b, n+1], accepted
+    drafts [b], verify hidden [b, n+1, d], drafts [b, n], cache); lengths roll back to
+    L + accepted + 1, accepted capped by the tokens each request may still emit."""
     model = nnx.merge(graphdef, state)
-    cache = mask_inactive(cache, active)
-    saved = cache.latent.page_table if isinstance(cache.latent, OffloadLatent) else None
+    active = inputs.active
+    cache, saved = open_step(cache, active)
     before = cache.lengths
-    drafts, cache = drafter.propose(model, cache, DraftInputs(pend_h, pend_tok, pend_n,
+    drafts, cache = drafter.propose(model, cache, DraftInputs(pend_h, inputs.tokens, pend_n,
                                                               host_drafts), n=n, impl=impl)
-    last = pend_tok[jnp.arange(pend_tok.shape[0]), pend_n - 1]
+    last = inputs.tokens[jnp.arange(inputs.tokens.shape[0]), pend_n - 1]
     h, cache = model(jnp.concatenate([last[:, None], drafts], axis=1), cache, impl=impl)
-    logits = model.logits(h)                                              # [b, n+1, V]
-    s = logits.shape[1]
-    keys = jax.vmap(lambda k, c: jax.vmap(lambda j: jax.random.fold_in(k, c + j))(
-        jnp.arange(s)))(base_keys, counts)                                # [b, s, 2]
-    tok, accept = _verify_tokens(logits, drafts, temps, keys, top_ps, top_ks, sampling)
-    logp = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), tok[..., None],
-                               axis=-1)[..., 0]
-    accepted = jnp.minimum(jnp.cumprod(accept.astype(jnp.int32), axis=1).sum(axis=1),
-                           jnp.maximum(limit - 1, 0))
-    if saved is not None:
-        cache = dataclasses.replace(cache, latent=dataclasses.replace(
-            cache.latent, page_table=jnp.where(active[:, None], saved, cache.latent.page_table)))
-    cache = dataclasses.replace(cache, lengths=jnp.where(active, before + accepted + 1, 0),
-                                scan_len=None)   # the output tree is the input's
-    return tok, logp, accepted.astype(jnp.int32), h, drafts, cache
+    tok, logp, accepted = verify(model.logits(h), drafts, inputs.sampling, sampling)
+    accepted = jnp.minimum(accepted, jnp.maximum(inputs.limit - 1, 0)).astype(jnp.int32)
+    cache = close_step(cache, active, saved, lengths=before + accepted + 1)
+    return tok, logp, accepted, h, drafts, cache
 
 
 @functools.lru_cache(maxsize=None)
@@ -282,7 +230,7 @@ def _mtp_chunk(graphdef, state, cache, h, next_tokens, start, *, impl):
 def prefill_with_mtp(model, cache, prompt: np.ndarray, lo: int, hi: int, *, chunk: int,
                      impl: str):
     """Prefill prompt [1, n] positions lo..hi-1 (cache.lengths == lo) in chunks of
-    `chunk` (the shapes `decode.prefill` uses), and after each chunk the MTP block over
+    `chunk` (the shapes `jlco.model.prefill` uses), and after each chunk the MTP block over
     the same positions with the following prompt token. The last prompt position's
     follower is the first generated token: its MTP row is written by the first
     speculative step. → (logits [1, V] at position hi-1, its hidden [1, d], cache)."""
@@ -297,7 +245,7 @@ def prefill_with_mtp(model, cache, prompt: np.ndarray, lo: int, hi: int, *, chun
         nxt = prompt[:, start + 1:min(start + chunk + 1, n)]
         follow[:, :nxt.shape[1]] = nxt
         # Both blocks score only the positions cached so far (bucketed), as
-        # `decode.prefill` does: the indexer's cost follows the prompt, not max_len.
+        # `jlco.model.prefill` does: the indexer's cost follows the prompt, not max_len.
         cache = dataclasses.replace(cache, scan_len=scan_bucket(start + width, cache.max_len))
         h, cache = _main_chunk(graphdef, state, cache, jnp.asarray(piece),
                                jnp.asarray([width], jnp.int32), impl=impl)
@@ -305,7 +253,7 @@ def prefill_with_mtp(model, cache, prompt: np.ndarray, lo: int, hi: int, *, chun
                            jnp.asarray([start], jnp.int32), impl=impl)
         cache = dataclasses.replace(cache, scan_len=None)
         last_h = h[:, width - 1]
-    return _logits(graphdef, state, last_h), last_h, cache
+    return final_logits(graphdef, state, last_h), last_h, cache
 
 
 class Speculator:
@@ -332,7 +280,10 @@ class Speculator:
             raise NotImplementedError(
                 f"engine.num_draft_tokens={self.n} with cache.fetch_path='host_driven' "
                 "(or storage 'file'): speculative steps run the in-jit fetch path only")
-        self.runner = runner
+        # What the step needs of the runner, read once: the speculator returns new
+        # state to the runner and never writes the runner's.
+        self.graphdef, self.state, self.impl = runner.graphdef, runner.state, runner.impl
+        self.batch, self.offload, self.vocab = runner.batch, runner.offload, cfg.model.vocab_size
         self.metrics = SpecMetrics()
         # Committed to the device like the step's outputs: an uncommitted first input
         # would make the second step compile again.
@@ -341,87 +292,71 @@ class Speculator:
                       jnp.dtype(cfg.model.dtype)), jax.devices()[0])
         self.pend_n: dict[int, int] = {}
         self._fresh: dict[int, jax.Array] = {}
-        self._keys: dict[int, np.ndarray] = {}
         # Set to a list to record (request id, slot, tokens before the step, drafts).
         self.draft_log: list | None = None
-        self._jit = self._compile()
-
-    def _compile(self):
-        run = self.runner
         shard = None
-        if run.offload:   # the host pool must come back in host memory (steps.py)
+        if runner.offload:   # the host pool must come back in host memory (steps.py)
             dev = SingleDeviceSharding(jax.devices()[0])
-            leaves, tree = jax.tree.flatten((dev,) * 5 + (run.cache_shardings(),))
+            leaves, tree = jax.tree.flatten((dev,) * 5 + (runner.cache_shardings(),))
             shard = (tuple(leaves), tree)
-        return _jitted_step(self.drafter, self.n, run.impl, run.cfg.engine.spec_sampling,
-                            shard)
+        self._jit = _jitted_step(self.drafter, self.n, runner.impl, cfg.engine.spec_sampling,
+                                 shard)
 
     def prefill(self, req, temp, prompt, lo, hi, chunk):
         """The runner's prefill of prompt positions lo..hi-1, with the MTP rows filled
         when the drafter reads them; remembers the last hidden for the first step."""
-        model = (self.runner.graphdef, self.runner.state)
+        model = (self.graphdef, self.state)
         if self.drafter.needs_mtp_cache:
             logits, h, temp = prefill_with_mtp(model, temp, prompt, lo, hi, chunk=chunk,
-                                               impl=self.runner.impl)
+                                               impl=self.impl)
         else:
             logits, h, temp = prefill(model, temp, prompt[:, lo:hi], chunk=chunk,
-                                      impl=self.runner.impl)
-        self._fresh[req.id] = h
+                                      impl=self.impl)
+        self.admit(req.id, h)
         return logits, h, temp
 
+    def admit(self, request_id: int, hidden: jax.Array) -> None:
+        """A request's final prompt hidden state [1, d] (prefilled here or imported):
+        its first step's MTP catch-up starts from it."""
+        self._fresh[request_id] = hidden
+
     def _inputs(self, running):
-        b, n = self.runner.batch, self.n
-        pend_tok = np.zeros((b, n + 1), np.int32)
-        pend_n = np.ones((b,), np.int32)
-        active = np.zeros((b,), bool)
-        temps = np.zeros((b,), np.float32)
-        top_ps = np.ones((b,), np.float32)
-        top_ks = np.zeros((b,), np.int32)
-        keys = np.zeros((b, 2), np.uint32)
-        counts = np.zeros((b,), np.int32)
-        limit = np.zeros((b,), np.int32)
-        slots = [None] * b
+        """→ (StepInputs with each slot's pending tokens, pend_n [b], host drafts [b, n])."""
+        b, n = self.batch, self.n
         for r in running:
             if r.id in self._fresh:
                 self.pend_h = self.pend_h.at[r.slot, 0].set(self._fresh.pop(r.id)[0])
                 self.pend_n[r.id] = 1
-            if r.id not in self._keys:
-                self._keys[r.id] = np.asarray(jax.random.PRNGKey(r.seed))
-            k, s = self.pend_n[r.id], r.slot
-            pend_tok[s, :k], pend_n[s], active[s] = r.tokens[-k:], k, True
-            temps[s], keys[s], counts[s] = r.temperature, self._keys[r.id], len(r.tokens)
-            top_ps[s], top_ks[s] = r.top_p, r.top_k
-            limit[s] = r.max_new_tokens - len(r.tokens)
-            slots[s] = r
+        inputs = StepInputs.from_requests(running, b, [self.pend_n[r.id] for r in running])
+        if inputs.tokens.shape[1] < n + 1:   # fixed shape [b, n+1]: one compiled step
+            pad = np.zeros((b, n + 1 - inputs.tokens.shape[1]), np.int32)
+            inputs = dataclasses.replace(inputs, tokens=np.concatenate([inputs.tokens, pad], 1))
+        pend_n = np.ones((b,), np.int32)
+        slots = [None] * b
+        for r in running:
+            pend_n[r.slot], slots[r.slot] = self.pend_n[r.id], r
         drafts = np.asarray(self.drafter.host_drafts(slots, n), np.int32)
-        vocab = self.runner.cfg.model.vocab_size
+        vocab = self.vocab
         if drafts.shape != (b, n) or (drafts < -1).any() or (drafts >= vocab).any():
             raise ValueError(f"drafter.host_drafts: must be int32 [{b}, {n}] in -1..{vocab - 1} "
                              f"(-1 = none); got shape {drafts.shape}, range "
                              f"{drafts.min()}..{drafts.max()}")
-        return pend_tok, pend_n, drafts, active, temps, top_ps, top_ks, keys, counts, limit
+        return inputs, pend_n, drafts
 
-    def step(self, running):
-        """The runner's `decode` with drafts: draft + verify in one jit → (tokens,
-        log-probs, seconds, drafted, accepted), per request in `running` order: 1 +
-        accepted tokens, their log-probs, the usable drafts (min(n, tokens left - 1))
-        and how many of them were accepted."""
-        run = self.runner
-        args = self._inputs(running)
-        # The indexers score only a bucket above every request's last verified position
-        # (L + n), as the plain decode step does: scanning all max_context_len positions
-        # of every slot made the indexer most of a speculative step (1.1 s at 128K).
-        scan = scan_bucket(max(int(run.slot_len[r.slot]) for r in running) + self.n + 1,
-                           run.max_len)
+    def step(self, cache, running, scan_len):
+        """Draft + verify in one jit over the runner's `cache` (donated) → (DecodeOutput,
+        the new cache, offload counters or None). Per request in `running` order: 1 +
+        accepted tokens, their log-probs, the usable drafts (min(n, tokens left - 1)) and
+        how many of them were accepted. scan_len: the indexers' scan bucket, above every
+        request's last verified position (L + n), as the plain decode step scans."""
+        inputs, pend_n, host = self._inputs(running)
         t0 = time.perf_counter()
-        tok, logp, acc, self.pend_h, drafts, run.cache = self._jit(
-            run.graphdef, run.state, dataclasses.replace(run.cache, scan_len=scan),
-            self.pend_h, *args)
-        stats = run.cache.latent.stats if run.offload else None
+        tok, logp, acc, self.pend_h, drafts, cache = self._jit(
+            self.graphdef, self.state, dataclasses.replace(cache, scan_len=scan_len),
+            self.pend_h, inputs, pend_n, host)
+        stats = cache.latent.stats if self.offload else None
         tok, logp, acc, drafts, stats = jax.device_get((tok, logp, acc, drafts, stats))
         seconds = time.perf_counter() - t0
-        if stats is not None:
-            run.record_stats(stats)
         self.metrics.steps += 1
         out_tok, out_logp, out_drafted, out_acc = [], [], [], []
         for r in running:
@@ -434,11 +369,11 @@ class Speculator:
                 self.draft_log.append((r.id, r.slot, len(r.tokens),
                                        [int(t) for t in drafts[r.slot]]))
             self.pend_n[r.id] = a + 1
-            run.slot_len[r.slot] += a + 1   # the runner's host mirror of lengths
             out_tok.append(tuple(int(t) for t in tok[r.slot, :a + 1]))
             out_logp.append(tuple(float(p) for p in logp[r.slot, :a + 1]))
-        return (tuple(out_tok), tuple(out_logp), seconds, tuple(out_drafted),
-                tuple(out_acc))
+        out = DecodeOutput(tuple(out_tok), tuple(out_logp), seconds, drafted=tuple(out_drafted),
+                           accepted=tuple(out_acc), wait_seconds=seconds)
+        return out, cache, stats
 
     def _count(self, accepted: int, usable: int) -> None:
         m = self.metrics
@@ -449,5 +384,5 @@ class Speculator:
 
     def forget(self, request_id: int) -> None:
         """Drop one request's state (it finished or was aborted)."""
-        for d in (self.pend_n, self._fresh, self._keys):
+        for d in (self.pend_n, self._fresh):
             d.pop(request_id, None)

@@ -82,7 +82,7 @@ def admit_prefilled(engine: Engine, cache: DecodeCache, max_new_tokens: int,
     if not 0 <= first_token < vocab:
         raise RequestError(f"first_token={first_token}: allowed 0..{vocab - 1}")
     sched = engine.scheduler
-    req = sched.add_running(n, max_new_tokens)   # RequestError / HostPoolFull if it cannot
+    req = sched.add_running(n, max_new_tokens)   # RequestError if it cannot
     page_row = None
     if sched.pages is not None:
         page_row = sched.pages.page_table([req.id], engine.runner.pages_per_request)[0]

@@ -144,3 +144,41 @@ class PrefilledRequest:
         return cls(prompt=prompt, max_new_tokens=max_new, latent=per_layer("latent"),
                    index_k=per_layer("index_k"), index_scale=scales,
                    record=arrs.get("record"), hidden=arrs["hidden"])
+
+
+def export_job(job, max_new_tokens: int) -> PrefilledRequest:
+    """A finished `jlco.engine.prefill.PrefillJob` (started with record=True) as a
+    `PrefilledRequest`: its cache rows for the prompt's positions, the last piece's
+    top-k sets (oldest first, real queries only) and the last hidden state."""
+    import jax
+    assert job.finished, "export: pieces left"
+    n, cache = len(job.req.prompt), job.cache
+    latent, keys, scales, hidden = jax.device_get((cache.latent, cache.index_k,
+                                                   cache.index_scale, job.hidden))
+    rec = job.warmup_record()
+    record = None if rec is None else np.asarray(rec)[:, -job.warmup_width:].astype(np.int32)
+    return PrefilledRequest(
+        prompt=list(job.req.prompt), max_new_tokens=max_new_tokens,
+        latent=[np.asarray(x[0, :n]) for x in latent],
+        index_k=[np.asarray(x[0, :n]) for x in keys],
+        index_scale=None if scales is None else [np.asarray(x[0, :n]) for x in scales],
+        record=record, hidden=np.asarray(hidden[0], np.float32))
+
+
+def import_cache(cfg, p: PrefilledRequest, max_len: int):
+    """The one-request cache an imported prefill installs from: its rows at positions
+    0..n-1 of a fresh [1, max_len] `DecodeCache`, length n."""
+    import dataclasses as dc
+
+    import jax.numpy as jnp
+
+    from jlco.model.kv_cache import init_cache
+    n = len(p.prompt)
+    cache = init_cache(cfg, batch=1, max_len=max_len)
+
+    def put(arrs, vals):
+        return tuple(a.at[0, :n].set(jnp.asarray(v)) for a, v in zip(arrs, vals))
+    return dc.replace(
+        cache, latent=put(cache.latent, p.latent), index_k=put(cache.index_k, p.index_k),
+        index_scale=None if p.index_scale is None else put(cache.index_scale, p.index_scale),
+        lengths=jnp.full((1,), n, jnp.int32))

@@ -95,7 +95,6 @@ class DeepseekV32(nnx.Module):
         """tokens [b,s] at positions cache.lengths[b] + t → (final-normed hidden [b,s,d],
         cache with lengths += n_new). n_new [b] ≤ s marks the real tokens of a ragged
         prefill chunk; the rest are padding whose rows land past each request's length."""
-        b, s = tokens.shape
         if cache.num_layers < self.cfg.num_hidden_layers:
             raise ValueError(f"cache has {cache.num_layers} layers; model needs "
                              f"{self.cfg.num_hidden_layers}")
@@ -103,6 +102,13 @@ class DeepseekV32(nnx.Module):
         for i, layer in enumerate(self.layers):
             with jax.named_scope(f"layer_{i}"):
                 x, cache = layer(x, cos, sin, cache, i, positions, kernel_lengths, impl)
+        return self.finish(x, cache, n_new)
+
+    def finish(self, x: jax.Array, cache: kv_cache.DecodeCache, n_new: jax.Array | None = None):
+        """After the last layer: final norm, lengths advanced by n_new [b] (default all s
+        tokens) → (final-normed hidden [b,s,d], cache). Shared with the host-driven
+        engine, which runs the layers one by one."""
+        b, s = x.shape[:2]
         n_new = jnp.full((b,), s, jnp.int32) if n_new is None else n_new
         return self.norm(x), kv_cache.advance(cache, n_new)
 

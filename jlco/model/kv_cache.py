@@ -23,10 +23,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jlco.config import Config
 from jlco.model.fp8_emul import quantize_e4m3
 from jlco.offload import latent as offload_latent
+from jlco.parallel.data import DATA_AXIS
 from jlco.util.buckets import pow2_bucket
 
 
@@ -211,6 +213,15 @@ def layer_view(cache: DecodeCache, layer: int) -> DecodeCache:
     return dataclasses.replace(cache, index_k=(cache.index_k[layer],), index_scale=scale)
 
 
+def batch_rows(view: DecodeCache, b0, nb: int) -> DecodeCache:
+    """A `layer_view` with its keys and scales cut to batch rows b0..b0+nb (b0 may be
+    traced), for code that selects per micro-batch; the latent and lengths stay whole."""
+    def cut(arrs):
+        return None if arrs is None else tuple(
+            jax.lax.dynamic_slice_in_dim(a, b0, nb, 0) for a in arrs)
+    return dataclasses.replace(view, index_k=cut(view.index_k), index_scale=cut(view.index_scale))
+
+
 def with_layer(cache: DecodeCache, layer: int, view: DecodeCache) -> DecodeCache:
     """`view` (from `layer_view`, possibly updated) with every other layer's keys of
     `cache` around its own."""
@@ -227,3 +238,45 @@ def advance(cache: DecodeCache, n_new: jax.Array) -> DecodeCache:
     if isinstance(lat, offload_latent.OffloadLatent):
         lat = offload_latent.next_step(lat)
     return dataclasses.replace(cache, latent=lat, lengths=cache.lengths + n_new.astype(jnp.int32))
+
+
+def data_specs(cache: DecodeCache) -> DecodeCache:
+    """The cache's tree with a PartitionSpec per leaf for data-parallel attention
+    (`jlco.parallel.data.per_rank`): batch dimensions over "data", each layer's host pool
+    over "data" on its rows (a rank's block of pages), the offload step counter and
+    statistics replicated. It lives beside the cache because only the cache knows which
+    dimension of each leaf is the batch."""
+    P = PartitionSpec
+    batch0, batch1 = P(DATA_AXIS), P(None, DATA_AXIS)
+    lat = cache.latent
+    if isinstance(lat, offload_latent.OffloadLatent):
+        lat = dataclasses.replace(lat, rows=batch1, slot_pos=batch1, slot_stamp=batch1,
+                                  host=tuple(batch0 for _ in lat.host), page_table=batch0,
+                                  step=P(), stats=P())
+    else:
+        lat = tuple(batch0 for _ in lat)
+    return dataclasses.replace(
+        cache, latent=lat, index_k=tuple(batch0 for _ in cache.index_k),
+        index_scale=None if cache.index_scale is None else tuple(batch0 for _ in cache.index_scale),
+        lengths=batch0, record=None if cache.record is None else batch1)
+
+
+def data_shardings(cache: DecodeCache, mesh, host_memory_kind: str | None) -> DecodeCache:
+    """NamedShardings of `data_specs` on `mesh` (the host pool in `host_memory_kind`)."""
+    out = jax.tree.map(lambda s: NamedSharding(mesh, s), data_specs(cache),
+                       is_leaf=lambda x: isinstance(x, PartitionSpec))
+    if isinstance(out.latent, offload_latent.OffloadLatent):
+        host = tuple(NamedSharding(mesh, s.spec, memory_kind=host_memory_kind)
+                     for s in out.latent.host)
+        out = dataclasses.replace(out, latent=dataclasses.replace(out.latent, host=host))
+    return out
+
+
+def sum_rank_stats(cache: DecodeCache) -> DecodeCache:
+    """Inside `per_rank`, on the way out: the offload statistics summed over the data
+    ranks (each rank counted only its own requests' lookups)."""
+    if not isinstance(cache.latent, offload_latent.OffloadLatent):
+        return cache
+    lat = cache.latent
+    return dataclasses.replace(cache, latent=dataclasses.replace(
+        lat, stats=jax.lax.psum(lat.stats, DATA_AXIS)))

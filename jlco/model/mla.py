@@ -95,15 +95,26 @@ class MLA(nnx.Module):
                        self.kv_b_proj.w_uv[...].astype(jnp.float32))
         return self.o_proj(o.reshape(b, s, -1).astype(dtype))
 
+    def write(self, cache: kv_cache.DecodeCache, layer, key_layer, latent, ik, positions):
+        """This step's new latent rows [b,s,c+r] and indexer keys [b,s,D] into the cache
+        at positions [b,s] (`key_layer`: the keys' layer index, 0 in a `layer_view`)."""
+        cache = kv_cache.write_latent(cache, layer, latent, positions)
+        return kv_cache.write_index_key(cache, key_layer, ik, positions)
+
+    def select(self, cache: kv_cache.DecodeCache, key_layer, iq, iw, kernel_lengths, impl: str):
+        """The indexer's top-k positions [b,s,k] over the cached keys of `key_layer`."""
+        keys, scale = kv_cache.index_keys(cache, key_layer)
+        return self.indexer.topk(iq, iw, keys, scale, kernel_lengths, cache.key_format, impl)
+
     def __call__(self, x, cos, sin, cache: kv_cache.DecodeCache, layer: int,
                  positions, kernel_lengths, impl: str):
+        """One MLA block of a step: `pre`, `write`, `select`, then the selected rows
+        (`kv_cache.latent_for_attention`: offloaded, misses fetched in the jit), `attend`
+        and `post`. The host-driven engine runs the same methods as separate phases."""
         with jax.named_scope("mla"):
             latent, q, iq, ik, iw = self.pre(x, cos, sin)
-            cache = kv_cache.write_latent(cache, layer, latent, positions)
-            cache = kv_cache.write_index_key(cache, layer, ik, positions)
-            keys, scale = kv_cache.index_keys(cache, layer)
-            topk_pos = self.indexer.topk(iq, iw, keys, scale, kernel_lengths, cache.key_format,
-                                         impl)
+            cache = self.write(cache, layer, layer, latent, ik, positions)
+            topk_pos = self.select(cache, layer, iq, iw, kernel_lengths, impl)
             dense = kv_cache.dense_rows(cache, layer, q.shape[1])
             if dense is not None:   # a prefill chunk over a short context
                 cache = kv_cache.record_topk(cache, layer, topk_pos)

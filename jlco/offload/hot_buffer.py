@@ -3,7 +3,9 @@
 The sparse MLA kernel reads `rows[slot_ids]`, so every selected context position must be
 resident before attention: `resolve` maps the step's top-k positions to slots (hit → its
 slot; each distinct miss → a victim slot that this step does not reference) and says
-which positions to fetch. Static shapes throughout so it runs inside `jax.jit`.
+which positions to fetch. Static shapes throughout so it runs inside `jax.jit`. The
+buffer's slots per request and layer are `Config.hot_buffer_rows`; inside functions
+here and in `jlco.offload.fetch` that count is the short local `cap` (or `capacity`).
 
 Victim order is (empty first, then oldest stamp, then lowest position): LRU stamps a slot
 with its last-use step, FIFO with its insertion step. Ties inside one step go by
@@ -32,14 +34,6 @@ POLICIES = ("lru", "fifo")
 _BIG = np.iinfo(np.int32).max
 
 
-class HotBuffer(NamedTuple):
-    """rows uint8 [L, b, C, row_bytes]; slot_pos int32 [L, b, C] (context position held,
-    −1 empty); slot_stamp int32 [L, b, C] (last use for LRU, insertion for FIFO)."""
-    rows: jax.Array
-    slot_pos: jax.Array
-    slot_stamp: jax.Array
-
-
 class Resolution(NamedTuple):
     """One layer's lookup. M = s_q * k. Counts are of DISTINCT valid positions."""
     slot_ids: jax.Array     # int32 [b, s_q, k], −1 where the position is invalid
@@ -52,27 +46,13 @@ class Resolution(NamedTuple):
     n_lookup: jax.Array     # int32 [b]
 
 
-def init_hot_buffer(num_layers: int, batch: int, capacity: int, row_bytes: int) -> HotBuffer:
-    shape = (num_layers, batch, capacity)
-    return HotBuffer(jnp.zeros((*shape, row_bytes), jnp.uint8),
-                     jnp.full(shape, -1, jnp.int32), jnp.full(shape, -1, jnp.int32))
-
-
-def clear_requests(hb: HotBuffer, free: jax.Array) -> HotBuffer:
-    """Empty every slot of the batch entries where `free` [b] is True (finished/aborted
-    request, or a new one taking the batch slot): slots have one owner too."""
-    m = free[None, :, None]
-    return hb._replace(slot_pos=jnp.where(m, -1, hb.slot_pos),
-                       slot_stamp=jnp.where(m, -1, hb.slot_stamp))
-
-
 def check_capacity(capacity: int, s_q: int, topk: int) -> None:
     """Every selected row must be resident at once: capacity >= s_q * topk
-    (`Config.min_staging_capacity` = index_topk * (1 + num_draft_tokens))."""
+    (`Config.min_hot_buffer_rows` = index_topk * (1 + num_draft_tokens))."""
     if capacity < s_q * topk:
         raise ValueError(f"hot buffer capacity={capacity} is too small: the minimum is "
                          f"s_q * topk = {s_q} * {topk} = {s_q * topk} "
-                         "(cache.staging_capacity >= Config.min_staging_capacity)")
+                         "(cache.hot_buffer_rows >= Config.min_hot_buffer_rows)")
 
 
 def _sorted_lookup(slot_pos, flat):
@@ -266,13 +246,6 @@ def scatter_rows(rows: jax.Array, slots: jax.Array, data: jax.Array) -> jax.Arra
     cap = rows.shape[1]
     dest = jnp.where(slots < 0, cap, slots)
     return jax.vmap(lambda r, d, x: r.at[d].set(x, mode="drop"))(rows, dest, data)
-
-
-def gather_slots(rows: jax.Array, slot_ids: jax.Array) -> jax.Array:
-    """rows [b, C, R] at slot_ids [b, s_q, k] → [b, s_q, k, R] (zeros where −1): what
-    the sparse attention kernel reads."""
-    g = jax.vmap(lambda r, s: r[jnp.maximum(s, 0)])(rows, slot_ids)
-    return jnp.where((slot_ids >= 0)[..., None], g, 0).astype(rows.dtype)
 
 
 def insert_new(rows: jax.Array, slot_pos: jax.Array, slot_stamp: jax.Array,

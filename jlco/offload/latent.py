@@ -135,12 +135,14 @@ def _update_layer_rows(has_work, tables, inputs, fills, fn, group):
 
 def write_latent(lat: OffloadLatent, layer: int, data: jax.Array,
                  positions: jax.Array) -> OffloadLatent:
-    """data uint8 [b, s, R] at positions [b, s] → host pool and hot buffer of `layer`."""
+    """data uint8 [b, s, R] at positions [b, s] → host pool and hot buffer of `layer`
+    (`layer` may be traced when the latent has no in-jit pool, `host == ()`)."""
     with jax.named_scope("offload_write_latent"):
         ids = host_row_ids(lat.page_table, positions, lat.page_size)           # [b, s]
         host = list(lat.host)
-        host[layer] = scatter_to_host(host[layer], ids.reshape(-1),
-                                      data.reshape(-1, data.shape[-1]))
+        if host:   # no in-jit pool: the host-driven path writes its own (HostLatentPool)
+            host[layer] = scatter_to_host(host[layer], ids.reshape(-1),
+                                          data.reshape(-1, data.shape[-1]))
         new_pos = jnp.where(ids >= 0, positions, -1).astype(jnp.int32)
 
         def insert(tables, inputs):
@@ -161,20 +163,39 @@ def write_latent(lat: OffloadLatent, layer: int, data: jax.Array,
             stats=lat.stats.at[layer, STAT_D2H].add(d2h))
 
 
-def _resolve_rows(lat: OffloadLatent, layer: int, positions: jax.Array, num_positions: int):
-    """`resolve` of `layer`'s tables for positions [b, s, k] (`update_rows`: rows that
-    select nothing are skipped) → (Resolution, slot_pos [L, b, m], slot_stamp [L, b, m]);
-    the Resolution's own slot_pos / slot_stamp are `layer`'s."""
+def resolve_selection(lat: OffloadLatent, layer, positions: jax.Array,
+                      scan_len: int | None = None, b0=0) -> tuple[OffloadLatent, Resolution]:
+    """The lookup half of `latent_for_attention`, for batch rows b0..b0+nb: positions
+    [nb, s, k] (−1 none) of `layer` → hits / misses against the hot buffer (`resolve`;
+    rows that select nothing are skipped, `update_rows`), the slot tables and the
+    lookup / hit / miss counters updated. Positions without a host page belong to empty
+    batch slots and are not looked up. The host-driven path calls this per micro-batch
+    (`b0`, `layer` traced), the in-jit path on the whole batch."""
+    nb = positions.shape[0]
+    table = jax.lax.dynamic_slice_in_dim(lat.page_table, b0, nb, 0)
+    positions = jnp.where(host_row_ids(table, positions, lat.page_size) >= 0, positions, -1)
+    bound = lookup_bound(lat, scan_len)
+
     def lookup(tables, inputs):
-        res = resolve(*tables, *inputs, lat.step, lat.policy, num_positions=num_positions)
+        res = resolve(*tables, *inputs, lat.step, lat.policy, num_positions=bound)
         return (res.slot_pos, res.slot_stamp), (res.slot_ids, res.miss_pos, res.victim_slot,
                                                 res.n_miss, res.n_hit, res.n_lookup)
 
-    (pos, stamp), (slot_ids, miss, victim, n_miss, n_hit, n_lookup) = update_rows(
-        (positions >= 0).any(axis=(1, 2)), layer, (lat.slot_pos, lat.slot_stamp),
-        (positions,), (-1, -1, -1, 0, 0, 0), lookup)
-    res = Resolution(slot_ids, miss, victim, n_miss, pos[layer], stamp[layer], n_hit, n_lookup)
-    return res, pos, stamp
+    def rows_of(t):
+        return jax.lax.dynamic_slice_in_dim(t[layer], b0, nb, 0)
+    (pos, stamp), (slot_ids, miss, victim, n_miss, n_hit, n_lookup) = _update_layer_rows(
+        (positions >= 0).any(axis=(1, 2)), (rows_of(lat.slot_pos), rows_of(lat.slot_stamp)),
+        (positions,), (-1, -1, -1, 0, 0, 0), lookup, None)
+    res = Resolution(slot_ids, miss, victim, n_miss, pos, stamp, n_hit, n_lookup)
+    counts = jnp.zeros_like(lat.stats[layer]).at[
+        jnp.array([STAT_LOOKUPS, STAT_HITS, STAT_MISSES])].set(
+        jnp.stack([n_lookup.sum(), n_hit.sum(), n_miss.sum()]).astype(jnp.int32))
+
+    def put(t, v):
+        return t.at[layer].set(jax.lax.dynamic_update_slice_in_dim(t[layer], v, b0, 0))
+    return dataclasses.replace(lat, slot_pos=put(lat.slot_pos, pos),
+                               slot_stamp=put(lat.slot_stamp, stamp),
+                               stats=lat.stats.at[layer].add(counts)), res
 
 
 def lookup_bound(lat: OffloadLatent, scan_len: int | None) -> int:
@@ -191,23 +212,16 @@ def latent_for_attention(lat: OffloadLatent, layer: int, positions: jax.Array,
     ids [b, s, k]): every selected row resident in the hot buffer, misses fetched exactly
     from the host pool."""
     with jax.named_scope("offload_latent_for_attention"):
-        # Positions without a host page belong to empty batch slots: not looked up.
-        paged = host_row_ids(lat.page_table, positions, lat.page_size) >= 0
-        positions = jnp.where(paged, positions, -1)
-        res, slot_pos, slot_stamp = _resolve_rows(lat, layer, positions,
-                                                  lookup_bound(lat, scan_len))
+        lat, res = resolve_selection(lat, layer, positions, scan_len)
         # Fetch into the whole donated buffer (viewed [L*b, m, R]), in place: fetching
         # into rows[layer] and writing it back copied the layer's hot buffer twice a step.
         n_layers, b, m, r = lat.rows.shape
         rows, moved = fetch_in_jit(lat.rows.reshape(n_layers * b, m, r), lat.host[layer],
-                                   lat.page_table, res, lat.page_size, lat.chunk_rows, layer,
+                                   lat.page_table, res, lat.page_size, lat.chunk_rows,
                                    row_offset=layer * b)
         rows = rows.reshape(n_layers, b, m, r)
-        counts = jnp.stack([res.n_lookup.sum(), res.n_hit.sum(), res.n_miss.sum(),
-                            jnp.asarray(moved, jnp.int32), jnp.int32(0)])
-        lat = dataclasses.replace(
-            lat, rows=rows, slot_pos=slot_pos, slot_stamp=slot_stamp,
-            stats=lat.stats.at[layer].add(counts.astype(jnp.int32)))
+        lat = dataclasses.replace(lat, rows=rows, stats=lat.stats.at[layer, STAT_MOVED].add(
+            jnp.asarray(moved, jnp.int32)))
         return lat, rows[layer].reshape(b * m, r), _flat_ids(res.slot_ids, m)
 
 

@@ -54,12 +54,6 @@ class OffloadMetrics:
         with self._lock:
             return float(self._wait.sum())
 
-    def record_fetch(self, layer: int, res, stats) -> None:
-        """Counts of one `resolve` + fetch (Resolution, FetchStats)."""
-        self.update(layer, lookups=res.n_lookup, hits=res.n_hit, misses=res.n_miss,
-                    h2d_rows=stats.real_rows, h2d_moved_rows=stats.moved_rows,
-                    fetch_wait_s=stats.wait_s)
-
     def hit_rate(self, layer: int | None = None) -> float:
         """Hits / lookups for one layer, or over all layers (nan before any lookup)."""
         sl = slice(None) if layer is None else layer

@@ -11,7 +11,9 @@ one rank). Parameters are replicated over "data" and keep their "expert"/"tensor
 Page ids in a rank's page table are local to its pool block (`jlco.offload.pages.
 RankedPages` hands them out); the scheduler pins a request to a rank at admission and
 balances ranks by host-pool usage (`jlco.engine.scheduler`), as SGLang's and
-tpu-inference's DP attention do.
+tpu-inference's DP attention do. Which dimension of each cache leaf is the batch is the
+cache's own knowledge (`jlco.model.kv_cache.data_specs`): this package sits below the
+model and imports none of it.
 
 With mesh.data = 1 nothing here changes a step: `per_rank` returns the function itself.
 A prefill runs on its one-request cache outside the shard_map (every rank computes it,
@@ -20,14 +22,11 @@ replicated); installing it writes only the owning rank's slot and pool block.
 
 from __future__ import annotations
 
-import dataclasses
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding, PartitionSpec
-
-from jlco.model.kv_cache import DecodeCache
-from jlco.offload.latent import OffloadLatent
+from jax.sharding import PartitionSpec
 
 DATA_AXIS = "data"
 P = PartitionSpec
@@ -42,49 +41,15 @@ def data_size() -> int:
     return dict(mesh.shape).get(DATA_AXIS, 1)
 
 
-def cache_specs(cache: DecodeCache) -> DecodeCache:
-    """The cache's tree with a PartitionSpec per leaf: batch dimensions over "data",
-    each layer's host pool over "data" on its rows (a rank's block of pages), the
-    offload step counter and statistics replicated."""
-    batch0, batch1 = P(DATA_AXIS), P(None, DATA_AXIS)
-    lat = cache.latent
-    if isinstance(lat, OffloadLatent):
-        lat = dataclasses.replace(lat, rows=batch1, slot_pos=batch1, slot_stamp=batch1,
-                                  host=tuple(batch0 for _ in lat.host), page_table=batch0,
-                                  step=P(), stats=P())
-    else:
-        lat = tuple(batch0 for _ in lat)
-    return dataclasses.replace(
-        cache, latent=lat, index_k=tuple(batch0 for _ in cache.index_k),
-        index_scale=None if cache.index_scale is None else tuple(batch0 for _ in cache.index_scale),
-        lengths=batch0, record=None if cache.record is None else batch1)
-
-
-def cache_shardings(cache: DecodeCache, mesh, host_memory_kind: str | None):
-    """NamedShardings of `cache_specs` on `mesh` (the host pool in `host_memory_kind`)."""
-    out = jax.tree.map(lambda s: NamedSharding(mesh, s), cache_specs(cache),
-                       is_leaf=lambda x: isinstance(x, PartitionSpec))
-    if isinstance(out.latent, OffloadLatent):
-        host = tuple(NamedSharding(mesh, s.spec, memory_kind=host_memory_kind)
-                     for s in out.latent.host)
-        out = dataclasses.replace(out, latent=dataclasses.replace(out.latent, host=host))
-    return out
-
-
-def _psum_stats(cache: DecodeCache) -> DecodeCache:
-    if not isinstance(cache.latent, OffloadLatent):
-        return cache
-    lat = cache.latent
-    return dataclasses.replace(cache, latent=dataclasses.replace(
-        lat, stats=jax.lax.psum(lat.stats, DATA_AXIS)))
-
-
-def per_rank(fn, roles: tuple[str, ...], out_roles: tuple[str, ...]):
+def per_rank(fn, roles: tuple[str, ...], out_roles: tuple[str, ...],
+             cache_specs: Callable, cache_out: Callable):
     """`fn` run on each data rank's shards (`jax.shard_map` over "data"), or `fn` itself
-    with one rank. roles / out_roles name each argument / output: "cache" (the
-    DecodeCache, split by `cache_specs`; its offload statistics summed over ranks on the
-    way out), "batch" (split on its leading dimension), "rep" (replicated), "sum" (an
-    output summed over ranks). Call it inside jit (the specs follow the cache given)."""
+    with one rank. roles / out_roles name each argument / output: "cache" (the decode
+    cache, split by `cache_specs(cache)`, a PartitionSpec per leaf, and passed through
+    `cache_out` on each rank on the way out: `jlco.model.kv_cache.data_specs` and
+    `sum_rank_stats`, given by the caller because this package sits below the model),
+    "batch" (split on its leading dimension), "rep" (replicated), "sum" (an output
+    summed over ranks). Call it inside jit (the specs follow the cache given)."""
     def wrapped(*args):
         if data_size() == 1:
             return fn(*args)
@@ -96,7 +61,7 @@ def per_rank(fn, roles: tuple[str, ...], out_roles: tuple[str, ...]):
             out = fn(*a)
             single = len(out_roles) == 1
             out = (out,) if single else tuple(out)
-            out = tuple(_psum_stats(o) if r == "cache" else
+            out = tuple(cache_out(o) if r == "cache" else
                         jax.lax.psum(o, DATA_AXIS) if r == "sum" else o
                         for o, r in zip(out, out_roles))
             return out[0] if single else out

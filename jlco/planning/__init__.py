@@ -6,7 +6,8 @@ sources (`hardware`), top-k trace files with their replay and MTP-union measurem
 against a machine), the (data, expert, tensor) mesh a plan is per device of (`mesh`),
 and the hot rows an MTP step's top-k union needs (`mtp`).
 
-May import: numpy, `jlco.config`, `jlco.model.kv_cache` (cache shapes). Never the engine:
-the engine writes traces through `trace`, and the planner-vs-engine check lives in tests.
+May import: numpy, `jlco.config`, `jlco.model.kv_cache` (cache shapes), `jlco.util`
+(atomic writes). Never the engine: the engine writes traces through `trace`, and the
+planner-vs-engine check lives in tests.
 Inside the wing: params, mesh, mtp, roofline <- throughput <- memory (no cycle).
 """

@@ -11,7 +11,7 @@ Mesh (`jlco.planning.mesh`): the weights are this device's share of a (data, exp
 tensor) mesh; the batch is per device, i.e. the requests of its attention rank; the host
 pool is per host (the latent caches of the attention ranks on that host).
 
-Hot buffer: an explicit `cache.staging_capacity` is planned as given (what the engine
+Hot buffer: an explicit `cache.hot_buffer_rows` is planned as given (what the engine
 allocates). At 0 ("the minimum") the plan sizes it from the union of the s_q query
 tokens' top-k sets (`jlco.planning.mtp.union_rows`), not top-k × s_q; the batch the
 engine's current top-k × s_q minimum allows is reported beside it.
@@ -54,9 +54,9 @@ def activation_bytes_per_token(cfg: Config, context: int) -> int:
 
 def planned_hot_rows(cfg: Config) -> int:
     """Hot rows per request per layer the plan assumes: an explicit
-    cache.staging_capacity as given, else the union of the s_q queries' top-k sets."""
-    if cfg.cache.staging_capacity:
-        return cfg.cache.staging_capacity
+    cache.hot_buffer_rows as given, else the union of the s_q queries' top-k sets."""
+    if cfg.cache.hot_buffer_rows:
+        return cfg.cache.hot_buffer_rows
     return mtp.union_rows(cfg.model.index_topk, 1 + cfg.engine.num_draft_tokens)
 
 
@@ -64,13 +64,13 @@ def per_request_bytes(cfg: Config, context: int, offload: bool,
                       hot_rows: int | None = None) -> dict[str, int]:
     """Device bytes one request holds (cache parts) and host bytes it needs (no headroom).
 
-    As the engine allocates a batch slot (`jlco.engine.runner.allocate_cache`): the hot buffer
-    has staging_capacity rows (or `hot_rows`) whatever the context; `tables` are its int32
+    As the engine allocates a batch slot (`jlco.engine.allocation.allocate_cache`): the hot buffer
+    has hot_buffer_rows rows (or `hot_rows`) whatever the context; `tables` are its int32
     length and, offloaded, its page-table row and the hot buffer's slot position + stamp
     per row."""
     layers = cache_layers(cfg)
     s_q = 1 + cfg.engine.num_draft_tokens
-    rows = cfg.staging_capacity if hot_rows is None else hot_rows
+    rows = cfg.hot_buffer_rows if hot_rows is None else hot_rows
     latent_rows = rows if offload else context
     pages = -(-context // cfg.cache.page_size)
     tables = 4 + (4 * pages + 8 * latent_rows * layers if offload else 0)
@@ -85,7 +85,7 @@ def max_batch(cfg: Config, device_bytes: float, *, offload: bool | None = None,
               weight_format: str = "fp8", tensor: int = 1, hot_rows: int | None = None) -> int:
     """Largest batch whose caches and activations fit in `device_bytes` beside the
     weights and reserve (memory limit only; not capped by engine.max_batch_size).
-    `hot_rows` defaults to cfg.staging_capacity (what the engine allocates)."""
+    `hot_rows` defaults to cfg.hot_buffer_rows (what the engine allocates)."""
     offload = cfg.cache.offload if offload is None else offload
     context = cfg.engine.max_context_len if context is None else context
     free = (device_bytes - reserve_bytes
@@ -191,7 +191,7 @@ def plan(cfg: Config, hw: HardwareProfile, *, ep: int = 1, context: int | None =
                       hw.hbm_bytes, w, reserve, hw.hbm_bytes - reserve - w.total, pr_off,
                       per_request_bytes(cfg, context, False), b_off, b_dev, cap, batch,
                       min(b_dev, cap), batch * per_req_host, xfer, mesh.as_dict(),
-                      layout.as_dict(), hot, cfg.staging_capacity, b_eng,
+                      layout.as_dict(), hot, cfg.hot_buffer_rows, b_eng,
                       ranks * batch * per_req_host, ranks * b_off * per_req_host)
 
 
@@ -217,7 +217,7 @@ def transfer_check(cfg: Config, hw: HardwareProfile, batch: int, ep: int, contex
         rows = miss_rate * batch * layers * lookups
         source = f"--miss_rate {miss_rate} x {lookups} lookups (top-k union over s_q {s_q})"
     else:
-        hot = cfg.staging_capacity if hot_rows is None else hot_rows
+        hot = cfg.hot_buffer_rows if hot_rows is None else hot_rows
         per_req = sim.misses_at(setup, hot).sum()
         rows = consts[sim.FIT_NAMES.index("miss_scale")] * per_req * batch
         source = "ESS locality profile (synthetic LRU replay x fitted miss_scale)"

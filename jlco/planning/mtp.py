@@ -2,7 +2,7 @@
 
 With MTP, a decode step scores s_q = 1 + drafts query tokens at consecutive positions and
 reads the union of their top-k sets. Sizing the hot buffer as top-k × s_q (the engine's
-minimum, `Config.min_staging_capacity`) assumes the sets are disjoint; consecutive
+minimum, `Config.min_hot_buffer_rows`) assumes the sets are disjoint; consecutive
 queries share most of their selection (ESS: 0.7–0.9 overlap in most layers, docs/facts.md
 §3), so the union is far smaller:
 

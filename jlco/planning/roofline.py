@@ -144,7 +144,8 @@ def indexer_scores(m: ModelConfig, key_bytes: int, contexts: Sequence[int],
     context): `contexts[i]` cached positions of request i, `s_q` query tokens each (query j
     sees c + j + 1 positions). keys: every cached indexer key read once per request (fp8:
     D + 4 B); logits: the f32 score of every (query, position) written by the score
-    kernel and read back by top-k (2 × 4 B; `decode_step` leaves it out as an activation);
+    kernel and read back by top-k (2 × 4 B; `decode_step_cost` leaves it out as an
+    activation);
     flops: 2·H·D per (query, position) for q·k (the ReLU-weighted head sum is H more,
     negligible). The simulator's indexer op is exactly this."""
     seen = sum(c + j + 1 for c in contexts for j in range(s_q))
@@ -152,8 +153,8 @@ def indexer_scores(m: ModelConfig, key_bytes: int, contexts: Sequence[int],
                 flops=2 * m.index_n_heads * m.index_head_dim * seen)
 
 
-def decode_step(cfg: Config, batch: int, contexts: int | Sequence[int],
-                s_q: int = 1) -> StepRoofline:
+def decode_step_cost(cfg: Config, batch: int, contexts: int | Sequence[int],
+                     s_q: int = 1) -> StepRoofline:
     """Roofline bytes and FLOPs of one decode step: `batch` requests, each with
     `contexts[i]` positions already cached (an int applies to all), `s_q` query tokens
     per request (1 + draft tokens)."""

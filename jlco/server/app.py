@@ -8,13 +8,17 @@ admission paused by a pool watermark), GET /metrics (Prometheus). Every /v1 rout
 checks `Authorization: Bearer KEY` when the server has an API key. Streaming is SSE
 (`data: {json}` chunks, then `data: [DONE]`), the same text as the non-streamed response
 because both go through one `Detokenizer`. A client that disconnects aborts its request
-(its slot and pages come back at the engine's next step).
+(its slot and pages come back at the engine's next step). Handlers ask the engine, never
+its scheduler: `check_request` (the engine's one check of a request's fields),
+`admission_status()` (health), and refusals by `RequestError.kind` (`loop.refusal`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
+import functools
 import json
 import secrets
 import time
@@ -25,7 +29,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from jlco.engine.scheduler import RequestError
-from jlco.server.loop import Delta, EngineLoop, Stream
+from jlco.server.loop import Delta, EngineLoop, Stream, refusal
 from jlco.server.metrics import ServerMetrics
 from jlco.server.protocol import (
     ApiError,
@@ -72,15 +76,13 @@ class ServerState:
         why = self.not_ready()
         if why:
             return why
-        sched = self.engine.scheduler
-        usage = sched.pool_usage()
-        for pool, paused in list(sched.paused.items()):
-            marks, use = sched.watermarks[pool], usage.get(pool, 0.0)
-            if marks is not None and (paused or use > marks[0]):
-                high, low = marks
-                return (f"admission paused: the {pool} pool is {100 * use:.0f}% used, above "
-                        f"serve.{pool}_high_watermark={high} (resumes at or below {low})")
-        return None
+        status = self.engine.admission_status()
+        pool = status.holding_pool()
+        if pool is None:
+            return None
+        (high, low), use = status.watermarks[pool], status.pool_usage.get(pool, 0.0)
+        return (f"admission paused: the {pool} pool is {100 * use:.0f}% used, above "
+                f"serve.{pool}_high_watermark={high} (resumes at or below {low})")
 
 
 def _error(err: ApiError) -> JSONResponse:
@@ -88,171 +90,216 @@ def _error(err: ApiError) -> JSONResponse:
 
 
 def create_app(state: ServerState) -> FastAPI:
+    """The FastAPI app over `state`. The handlers are this module's functions; each
+    reads the state (and the metrics) from `request.app.state`."""
     app = FastAPI(title="jlco", docs_url=None, redoc_url=None)
-    metrics = ServerMetrics(state)
+    app.state.metrics = ServerMetrics(state)
     app.state.jlco = state
-    app.state.metrics = metrics
-
-    @app.exception_handler(ApiError)
-    async def _api_error(_: Request, err: ApiError):
-        return _error(err)
-
-    @app.exception_handler(404)
-    async def _not_found(request: Request, _):
-        return _error(ApiError(404, f"no route {request.method} {request.url.path}"))
-
-    @app.exception_handler(405)
-    async def _bad_method(request: Request, _):
-        return JSONResponse(ApiError(405, f"method {request.method} not allowed on "
-                                          f"{request.url.path}").body(), status_code=405)
-
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        if state.api_key and request.url.path.startswith("/v1"):
-            given = request.headers.get("authorization", "")
-            if not secrets.compare_digest(given.encode(), f"Bearer {state.api_key}".encode()):
-                return _error(ApiError(401, "missing or wrong API key: send "
-                                            "'Authorization: Bearer <key>'"))
-        return await call_next(request)
-
-    @app.get("/health")
-    async def health():
-        why = state.unhealthy()
-        if why:
-            return JSONResponse({"status": "unavailable", "reason": why}, status_code=503)
-        return {"status": "ok"}
-
-    @app.get("/metrics")
-    async def prometheus():
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
-
-    @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [{
-            "id": state.model_name, "object": "model", "created": state.created,
-            "owned_by": "jlco", "root": state.model_name, "max_model_len": state.max_context_len,
-            "index_topk": state.index_topk}]}
-
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        params = parse_completion(parse_json(await request.body()))
-        return await _serve(request, params, None, chat=False)
-
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request):
-        params, messages, add_gen = parse_chat(parse_json(await request.body()))
-        codec = state.codec
-        if codec is None or codec.chat_template is None:
-            raise ApiError(400, "this model has no chat template (the checkpoint's "
-                                "tokenizer_config.json carries none): use /v1/completions",
-                           "messages")
-        try:
-            text = render_chat(codec.chat_template, messages, add_generation_prompt=add_gen,
-                               bos_token=getattr(codec, "bos_token", None) or "",
-                               eos_token=getattr(codec, "eos_token", None) or "")
-        except ValueError as err:
-            raise ApiError(400, f"messages: {err}", "messages") from None
-        return await _serve(request, params, text, chat=True)
-
-    @app.post("/v1/internal/prefilled")
-    async def import_prefilled(request: Request):
-        """PD disaggregation, decode side: a prefill made elsewhere (a safetensors payload,
-        `jlco.engine.transfer`) takes a slot here; a completion request claims it with
-        `"kv_transfer_params": {"prefill_id": ...}` within serve.import_ttl_s."""
-        from jlco.engine.transfer import PrefilledRequest
-        from jlco.offload.pages import HostPoolFull
-        why = state.not_ready()
-        if why:
-            raise ApiError(503, why)
-        try:
-            payload = PrefilledRequest.from_bytes(await request.body())
-        except ValueError as err:
-            raise ApiError(400, str(err), "body") from None
-
-        def take(engine):
-            try:
-                return engine.import_prefill(payload)
-            except HostPoolFull as err:
-                raise ApiError(503, f"no host pages for the import: {err}") from None
-            except RequestError as err:
-                if "no free batch slot" in str(err):
-                    raise ApiError(503, f"{err}; retry later") from None
-                raise
-        req = await asyncio.wrap_future(state.loop.call(take))
-        return {"prefill_id": f"pf-{req.id}", "prompt_tokens": len(req.prompt),
-                "max_tokens": req.max_new_tokens,
-                "expires_in_s": state.engine.cfg.serve.import_ttl_s}
-
-    @app.post("/v1/internal/prefill")
-    async def export_prefill(request: Request):
-        """PD disaggregation, prefill side: prefill {"prompt": text or ids, "max_tokens":
-        room the decode node reserves} here and return the payload for
-        /v1/internal/prefilled (application/octet-stream)."""
-        body = parse_json(await request.body())
-        if set(body) - {"prompt", "max_tokens", "model"}:
-            raise bad(sorted(set(body) - {"prompt", "max_tokens", "model"})[0], "unknown field")
-        p = parse_completion({k: v for k, v in body.items() if k != "model"})
-        why = state.not_ready()
-        if why:
-            raise ApiError(503, why)
-        ids = state.codec.encode(p.prompt_text) if p.prompt_text is not None else p.prompt_ids
-        data = await asyncio.wrap_future(state.loop.call(
-            lambda engine: engine.export_prefill(ids, p.max_tokens).to_bytes()))
-        return Response(data, media_type="application/octet-stream")
-
-    async def _serve(request: Request, p: SamplingRequest, chat_text: str | None, *, chat: bool):
-        why = state.not_ready()
-        if why:
-            raise ApiError(503, why)
-        if p.model is not None and p.model != state.model_name:
-            raise ApiError(404, f"The model `{p.model}` does not exist (this server serves "
-                                f"`{state.model_name}`)", "model")
-        codec = state.codec
-        text = chat_text if chat_text is not None else p.prompt_text
-        if text is not None:
-            ids = codec.encode(text) if chat_text is None else codec.encode_chat(text) \
-                if hasattr(codec, "encode_chat") else codec.encode(text)
-            if not ids:
-                raise bad("prompt", "the text encodes to no tokens")
-        else:
-            ids = p.prompt_ids
-        ctx = state.max_context_len
-        if len(ids) >= ctx:
-            raise ApiError(400, f"This model's maximum context length is {ctx} tokens. However, "
-                                f"your prompt has {len(ids)} tokens: shorten it.", "prompt")
-        max_new = p.max_tokens if p.max_tokens is not None else ctx - len(ids)
-        if len(ids) + max_new > ctx:
-            raise ApiError(400, f"This model's maximum context length is {ctx} tokens. However, "
-                                f"you requested {len(ids) + max_new} tokens ({len(ids)} in the "
-                                f"prompt, {max_new} for the completion): reduce the prompt or "
-                                "max_tokens.", "max_tokens" if p.max_tokens else "prompt")
-        stops = set(p.stop_token_ids)
-        if not p.ignore_eos and codec is not None and codec.eos_token_id is not None:
-            stops.add(codec.eos_token_id)
-        seed = p.seed if p.seed is not None else state._rng.randrange(2 ** 32)
-        stream = Stream(asyncio.get_running_loop(), len(ids))
-        sampling = dict(temperature=p.temperature, seed=seed, stop_token_ids=sorted(stops),
-                        top_p=p.top_p, top_k=p.top_k)
-        if p.prefill_id is None:
-            fut = state.loop.submit(stream, ids, max_new, **sampling)
-        else:
-            def claim(engine):
-                req = engine.claim(p.prefill_id, ids, max_new, **sampling)
-                state.loop.attach(stream, req)
-                return req
-            fut = state.loop.call(claim)
-        req = await asyncio.wrap_future(fut)
-        metrics.prompt_tokens.inc(len(ids))
-        rid = f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}"
-        detok = Detokenizer(codec, p.stop, include_stop=p.include_stop_str_in_output)
-        gen = _generate(request, state, stream, detok, metrics)
-        if p.stream:
-            return StreamingResponse(_sse(gen, rid, p, req, state, chat, len(ids)),
-                                     media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
-        return await _whole(gen, rid, p, req, state, chat, len(ids))
-
+    app.add_exception_handler(ApiError, _api_error)
+    app.add_exception_handler(404, _not_found)
+    app.add_exception_handler(405, _bad_method)
+    app.middleware("http")(_auth)
+    app.get("/health")(health)
+    app.get("/metrics")(prometheus)
+    app.get("/v1/models")(models)
+    app.post("/v1/completions")(completions)
+    app.post("/v1/chat/completions")(chat)
+    app.post("/v1/internal/prefilled")(import_prefilled)
+    app.post("/v1/internal/prefill")(export_prefill)
     return app
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.state.jlco
+
+
+async def _api_error(_: Request, err: ApiError):
+    return _error(err)
+
+
+async def _not_found(request: Request, _):
+    return _error(ApiError(404, f"no route {request.method} {request.url.path}"))
+
+
+async def _bad_method(request: Request, _):
+    return _error(ApiError(405, f"method {request.method} not allowed on {request.url.path}"))
+
+
+async def _auth(request: Request, call_next):
+    key = _state(request).api_key
+    if key and request.url.path.startswith("/v1"):
+        given = request.headers.get("authorization", "")
+        if not secrets.compare_digest(given.encode(), f"Bearer {key}".encode()):
+            return _error(ApiError(401, "missing or wrong API key: send "
+                                        "'Authorization: Bearer <key>'"))
+    return await call_next(request)
+
+
+async def health(request: Request):
+    why = _state(request).unhealthy()
+    if why:
+        return JSONResponse({"status": "unavailable", "reason": why}, status_code=503)
+    return {"status": "ok"}
+
+
+async def prometheus(request: Request):
+    return Response(generate_latest(request.app.state.metrics.registry),
+                    media_type=CONTENT_TYPE_LATEST)
+
+
+async def models(request: Request):
+    state = _state(request)
+    return {"object": "list", "data": [{
+        "id": state.model_name, "object": "model", "created": state.created,
+        "owned_by": "jlco", "root": state.model_name, "max_model_len": state.max_context_len,
+        "index_topk": state.index_topk}]}
+
+
+async def completions(request: Request):
+    params = parse_completion(parse_json(await request.body()))
+    return await _serve(request, params, None, chat=False)
+
+
+async def chat(request: Request):
+    params, messages, add_gen = parse_chat(parse_json(await request.body()))
+    codec = _state(request).codec
+    if codec is None or codec.chat_template is None:
+        raise ApiError(400, "this model has no chat template (the checkpoint's "
+                            "tokenizer_config.json carries none): use /v1/completions",
+                       "messages")
+    try:
+        text = render_chat(codec.chat_template, messages, add_generation_prompt=add_gen,
+                           bos_token=getattr(codec, "bos_token", None) or "",
+                           eos_token=getattr(codec, "eos_token", None) or "")
+    except ValueError as err:
+        raise ApiError(400, f"messages: {err}", "messages") from None
+    return await _serve(request, params, text, chat=True)
+
+
+async def import_prefilled(request: Request):
+    """PD disaggregation, decode side: a prefill made elsewhere (a safetensors payload,
+    `jlco.engine.transfer`) takes a slot here; a completion request claims it with
+    `"kv_transfer_params": {"prefill_id": ...}` within serve.import_ttl_s."""
+    from jlco.engine.transfer import PrefilledRequest
+    state = _state(request)
+    why = state.not_ready()
+    if why:
+        raise ApiError(503, why)
+    try:
+        payload = PrefilledRequest.from_bytes(await request.body())
+    except ValueError as err:
+        raise ApiError(400, str(err), "body") from None
+    req = await asyncio.wrap_future(state.loop.call(functools.partial(_import, payload)))
+    return {"prefill_id": f"pf-{req.id}", "prompt_tokens": len(req.prompt),
+            "max_tokens": req.max_new_tokens,
+            "expires_in_s": state.engine.cfg.serve.import_ttl_s}
+
+
+def _import(payload, engine):
+    """On the engine thread: take the import, or say that no slot or pages are free now."""
+    try:
+        return engine.import_prefill(payload)
+    except RequestError as err:
+        if err.kind == "no_pages":
+            raise ApiError(503, f"no host pages for the import: {err}") from None
+        if err.kind == "no_slot":
+            raise ApiError(503, f"{err}; retry later") from None
+        raise
+
+
+async def export_prefill(request: Request):
+    """PD disaggregation, prefill side: prefill {"prompt": text or ids, "max_tokens":
+    room the decode node reserves} here and return the payload for
+    /v1/internal/prefilled (application/octet-stream)."""
+    state = _state(request)
+    body = parse_json(await request.body())
+    if set(body) - {"prompt", "max_tokens", "model"}:
+        raise bad(sorted(set(body) - {"prompt", "max_tokens", "model"})[0], "unknown field")
+    p = parse_completion({k: v for k, v in body.items() if k != "model"})
+    why = state.not_ready()
+    if why:
+        raise ApiError(503, why)
+    ids = state.codec.encode(p.prompt_text) if p.prompt_text is not None else p.prompt_ids
+    data = await asyncio.wrap_future(state.loop.call(
+        lambda engine: engine.export_prefill(ids, p.max_tokens).to_bytes()))
+    return Response(data, media_type="application/octet-stream")
+
+
+async def _serve(request: Request, p: SamplingRequest, chat_text: str | None, *, chat: bool):
+    """A completion: prompt ids, the engine's one check of every field, then the request
+    queued (or an imported prefill claimed) and its tokens streamed or returned whole."""
+    state = _state(request)
+    why = state.not_ready()
+    if why:
+        raise ApiError(503, why)
+    if p.model is not None and p.model != state.model_name:
+        raise ApiError(404, f"The model `{p.model}` does not exist (this server serves "
+                            f"`{state.model_name}`)", "model")
+    codec = state.codec
+    ids = _prompt_ids(codec, p, chat_text)
+    max_new = _max_new_tokens(state.max_context_len, p, ids)
+    stops = set(p.stop_token_ids)
+    if not p.ignore_eos and codec is not None and codec.eos_token_id is not None:
+        stops.add(codec.eos_token_id)
+    seed = p.seed if p.seed is not None else state._rng.randrange(2 ** 32)
+    sampling = dict(temperature=p.temperature, seed=seed, stop_token_ids=sorted(stops),
+                    top_p=p.top_p, top_k=p.top_k)
+    try:
+        state.engine.check_request(ids, max_new, **sampling)
+    except RequestError as err:
+        raise refusal(err) from None
+    stream = Stream(asyncio.get_running_loop(), len(ids))
+    req = await asyncio.wrap_future(_start(state, stream, p.prefill_id, ids, max_new, sampling))
+    metrics = request.app.state.metrics
+    metrics.prompt_tokens.inc(len(ids))
+    rid = f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}"
+    detok = Detokenizer(codec, p.stop, include_stop=p.include_stop_str_in_output)
+    gen = _generate(request, state, stream, detok, metrics)
+    if p.stream:
+        return StreamingResponse(_sse(gen, rid, p, req, state, chat, len(ids)),
+                                 media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+    return await _whole(gen, rid, p, req, state, chat, len(ids))
+
+
+def _prompt_ids(codec, p: SamplingRequest, chat_text: str | None) -> list[int]:
+    """The prompt's token ids: given, or the text (a rendered chat) encoded."""
+    text = chat_text if chat_text is not None else p.prompt_text
+    if text is None:
+        return p.prompt_ids
+    ids = codec.encode(text) if chat_text is None else codec.encode_chat(text) \
+        if hasattr(codec, "encode_chat") else codec.encode(text)
+    if not ids:
+        raise bad("prompt", "the text encodes to no tokens")
+    return ids
+
+
+def _max_new_tokens(ctx: int, p: SamplingRequest, ids: list[int]) -> int:
+    """max_tokens, or the room left in the context; refused (as vLLM words it) when the
+    prompt, or the prompt with max_tokens, does not fit."""
+    if len(ids) >= ctx:
+        raise ApiError(400, f"This model's maximum context length is {ctx} tokens. However, "
+                            f"your prompt has {len(ids)} tokens: shorten it.", "prompt")
+    max_new = p.max_tokens if p.max_tokens is not None else ctx - len(ids)
+    if len(ids) + max_new > ctx:
+        raise ApiError(400, f"This model's maximum context length is {ctx} tokens. However, "
+                            f"you requested {len(ids) + max_new} tokens ({len(ids)} in the "
+                            f"prompt, {max_new} for the completion): reduce the prompt or "
+                            "max_tokens.", "max_tokens" if p.max_tokens else "prompt")
+    return max_new
+
+
+def _start(state: ServerState, stream: Stream, prefill_id: int | None, ids: list[int],
+           max_new: int, sampling: dict) -> concurrent.futures.Future:
+    """Queue the request, or claim the imported prefill `prefill_id` → a future of it."""
+    if prefill_id is None:
+        return state.loop.submit(stream, ids, max_new, **sampling)
+
+    def claim(engine):
+        req = engine.claim(prefill_id, ids, max_new, **sampling)
+        state.loop.attach(stream, req)
+        return req
+    return state.loop.call(claim)
 
 
 @dataclasses.dataclass

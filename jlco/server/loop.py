@@ -27,6 +27,15 @@ from jlco.server.protocol import ApiError
 
 log = logging.getLogger("jlco.serve")
 SWEEP_S = 1.0    # how often the lifecycle sweep runs
+# The HTTP status of each way the engine refuses a request (`RequestError.kind`): a bad
+# field is the client's to fix (400); no slot or pages now is a retry later (503).
+REFUSAL_STATUS = {"invalid": 400, "too_long": 400, "not_found": 400, "no_slot": 503,
+                  "no_pages": 503}
+
+
+def refusal(err: RequestError) -> ApiError:
+    """The engine's refusal as the client sees it: status from its kind, param its field."""
+    return ApiError(REFUSAL_STATUS[err.kind], str(err), err.field)
 
 
 @dataclasses.dataclass
@@ -108,7 +117,8 @@ class EngineLoop:
 
     def call(self, fn: Callable) -> concurrent.futures.Future:
         """Run `fn(engine)` on the engine thread between steps → a future of its result;
-        RequestError / ValueError become a 400 ApiError, anything else a 500."""
+        RequestError becomes its `refusal`, ValueError a 400 ApiError, anything else
+        a 500."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
         if self.broken or self.draining:
             fut.set_exception(ApiError(503, self.broken or "the server is shutting down"))
@@ -212,7 +222,9 @@ class EngineLoop:
                 fut.set_result(fn(self.engine))
             except ApiError as err:
                 fut.set_exception(err)
-            except (RequestError, ValueError) as err:
+            except RequestError as err:
+                fut.set_exception(refusal(err))
+            except ValueError as err:
                 fut.set_exception(ApiError(400, str(err)))
             except Exception as err:   # noqa: BLE001 - the caller gets a 500, we go on
                 log.error("engine call failed:\n%s", traceback.format_exc())
@@ -220,7 +232,7 @@ class EngineLoop:
             return
         if kind == "submit":
             _, fut, stream, prompt, max_new, sampling = cmd
-            if len(self.engine.scheduler.waiting) >= self.max_waiting:
+            if self.engine.admission_status().waiting >= self.max_waiting:
                 fut.set_exception(ApiError(429, f"the waiting queue is full "
                                                 f"(serve.max_queue={self.max_waiting}); "
                                                 "retry later"))
@@ -228,7 +240,7 @@ class EngineLoop:
             try:
                 req = self.engine.submit(prompt, max_new, **sampling)
             except RequestError as err:
-                fut.set_exception(ApiError(400, str(err), str(err).split("=")[0].split(":")[0]))
+                fut.set_exception(refusal(err))
                 return
             stream.request = req
             self._streams[req.id] = stream

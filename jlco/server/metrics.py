@@ -58,8 +58,9 @@ class ServerMetrics:
 
 
 class _EngineCollector:
-    """Engine state at scrape time (read from the asyncio thread: Python ints and
-    lists written by the engine thread, each read atomically)."""
+    """Engine state at scrape time, read from the asyncio thread: admission through the
+    engine's `admission_status()` (counts copied out of the scheduler), the offload
+    counters as one snapshot."""
 
     def __init__(self, state):
         self.state = state
@@ -71,11 +72,11 @@ class _EngineCollector:
         if eng is None:
             yield from (running, waiting)
             return
-        sched = eng.scheduler
-        running.add_metric([], sum(r is not None for r in list(sched.slots)))
-        waiting.add_metric([], len(sched.waiting))
+        status = eng.admission_status()
+        running.add_metric([], status.running)
+        waiting.add_metric([], status.waiting)
         yield from (running, waiting)
-        yield from _rank_metrics(sched)
+        yield from _rank_metrics(status)
         m = eng.metrics
         if m is not None:
             lookups = CounterMetricFamily("jlco_cache_lookups", "Hot-buffer lookups (rows)",
@@ -97,25 +98,22 @@ class _EngineCollector:
                                       value=tot["h2d_bytes"])
             yield CounterMetricFamily("jlco_d2h_bytes", "Device-to-host latent bytes",
                                       value=tot["d2h_bytes"])
-        pages = sched.pages
-        if pages is not None:
+        pool = status.host_pool
+        if pool is not None:
             row = eng.cfg.row_bytes * _cache_layers(eng.cfg)
-            page_bytes = pages.page_size * row
+            page_bytes = pool.page_size * row
             yield GaugeMetricFamily("jlco_host_pool_bytes_used", "Host pool bytes reserved",
-                                    value=pages.used_pages * page_bytes)
+                                    value=pool.used_pages * page_bytes)
             yield GaugeMetricFamily("jlco_host_pool_bytes_capacity", "Host pool bytes",
-                                    value=pages.num_pages * page_bytes)
-            owners = set(pages.requests)
-            live = {r.id for r in list(sched.slots) if r is not None}
-            leaked = sum(len(pages.pages_of(rid)) for rid in owners - live)
+                                    value=pool.num_pages * page_bytes)
             yield GaugeMetricFamily("jlco_leaked_pages", "Host pages owned by no running "
-                                    "request (should stay 0)", value=leaked)
+                                    "request (should stay 0)", value=pool.leaked_pages)
             cfg = eng.cfg
-            slot_bytes = cfg.staging_capacity * cfg.row_bytes * _cache_layers(cfg)
+            slot_bytes = cfg.hot_buffer_rows * cfg.row_bytes * _cache_layers(cfg)
             yield GaugeMetricFamily("jlco_device_pool_bytes_used", "Hot-buffer bytes of the "
-                                    "slots in use", value=len(live) * slot_bytes)
+                                    "slots in use", value=status.running * slot_bytes)
             yield GaugeMetricFamily("jlco_device_pool_bytes_capacity", "Hot-buffer bytes",
-                                    value=len(sched.slots) * slot_bytes)
+                                    value=status.slots * slot_bytes)
         yield CounterMetricFamily("jlco_orphans_swept", "Orphaned requests freed by the "
                                   "lifecycle sweep", value=getattr(eng, "orphans_swept", 0))
         spec = eng.spec_metrics
@@ -126,7 +124,7 @@ class _EngineCollector:
                                       value=spec.accepted)
 
 
-def _rank_metrics(sched):
+def _rank_metrics(status):
     """Per data rank (`jlco.parallel.data`; one rank without it): running requests,
     requests pinned to it so far, and the fraction of its host pool in use."""
     running = GaugeMetricFamily("jlco_data_rank_requests_running",
@@ -136,13 +134,13 @@ def _rank_metrics(sched):
                                    labels=["rank"])
     pool = GaugeMetricFamily("jlco_data_rank_host_pool_usage",
                              "Fraction of a data rank's host pool pages in use", labels=["rank"])
-    for rank, (use, n) in enumerate(zip(sched.rank_usage(), list(sched.admitted_per_rank))):
-        running.add_metric([str(rank)], use["running"])
-        admitted.add_metric([str(rank)], n)
-        if "host" in use:
-            pool.add_metric([str(rank)], use["host"])
+    for rank, r in enumerate(status.ranks):
+        running.add_metric([str(rank)], r.running)
+        admitted.add_metric([str(rank)], r.admitted)
+        if r.host_usage is not None:
+            pool.add_metric([str(rank)], r.host_usage)
     yield from (running, admitted)
-    if sched.pages is not None:
+    if status.host_pool is not None:
         yield pool
 
 

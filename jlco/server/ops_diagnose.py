@@ -8,7 +8,7 @@ readings taken every second in between).
                     Below HIT_RATE_LOW (0.80; vLLM's RFC reports 80-90 % with a 2 x top-k
                     buffer, ECHO 97-99 % with a large pool: docs/facts.md §4) the hot
                     buffer does not hold the working set and every step fetches the rest
-                    → `cache.staging_capacity` up (rows per request and layer; device
+                    → `cache.hot_buffer_rows` up (rows per request and layer; device
                     memory per slot grows with it), then `cache.eviction` (lru / fifo:
                     `tools/cache_study.py` replays a trace with both).
     fetch share     jlco_fetch_wait_seconds_sum / jlco_engine_step_seconds_sum. Only the
@@ -16,14 +16,14 @@ readings taken every second in between).
                     host_driven`) waits visibly; the in-jit path reports 0 and its fetch
                     is inside the step. Above FETCH_SHARE_HIGH (0.20) the step waits for
                     rows; which knob depends on why:
-                      - hit rate low → misses: `cache.staging_capacity`;
+                      - hit rate low → misses: `cache.hot_buffer_rows`;
                       - achieved H2D (h2d bytes / fetch wait) ≥ LINK_BOUND (0.5) of the
-                        hardware's host link (--hardware) → bytes: `cache.staging_capacity`,
+                        hardware's host link (--hardware) → bytes: `cache.hot_buffer_rows`,
                         `cache.kv_format=fp8`, or a smaller batch;
                       - ≥ 2 x MIN_ROWS_PER_THREAD missed rows per layer and step (the
                         host-driven gather splits a fetch into parts of at least that
                         many rows) → host gather: `cache.prefetch_threads` up,
-                        `cache.prefetch_window` (chunk rows: later chunks gather while
+                        `cache.fetch_chunk_rows` (chunk rows: later chunks gather while
                         earlier ones transfer);
                       - else the wait is per-fetch overhead (the per-layer sync of the
                         host-driven path: selection must finish before the host knows
@@ -72,7 +72,7 @@ from jlco.server.loadgen import LoadError, Scrape
 HIT_RATE_LOW = 0.80
 FETCH_SHARE_HIGH = 0.20
 LINK_BOUND = 0.5
-MIN_ROWS_PER_THREAD = 1024   # as jlco.engine.host_driven's (that module imports jax)
+MIN_ROWS_PER_THREAD = 1024   # as jlco.offload.host_fetch's (that module imports jax)
 ACCEPT_LOW = 0.5
 JITTER_FETCH = 0.5
 JITTER_STEP = 3.0
@@ -203,21 +203,21 @@ def fetch_cause(m: dict, link_gbps: float | None) -> tuple[str, list[str]]:
     if m["hit_rate"] is not None and m["hit_rate"] < HIT_RATE_LOW:
         why = (f"the hot buffer keeps only {m['hit_rate']:.0%} of the selected rows; "
                f"{rows:.0f} rows per layer and step come from the host pool: raise "
-               "cache.staging_capacity (rows per request and layer) toward the working "
+               "cache.hot_buffer_rows (rows per request and layer) toward the working "
                "set; cache.eviction (lru/fifo) second")
-        return why, ["cache.staging_capacity", "cache.eviction"]
+        return why, ["cache.hot_buffer_rows", "cache.eviction"]
     gbps = m["h2d_gbps_waiting"]
     if link_gbps and gbps is not None and gbps >= LINK_BOUND * link_gbps:
         why = (f"fetches run at {gbps:.1f} GB/s, >= {LINK_BOUND:.0%} of the {link_gbps:g} "
-               "GB/s host link: move fewer bytes (cache.staging_capacity up, "
+               "GB/s host link: move fewer bytes (cache.hot_buffer_rows up, "
                "cache.kv_format=fp8) or decode a smaller batch")
-        return why, ["cache.staging_capacity", "cache.kv_format", "engine.max_batch_size"]
+        return why, ["cache.hot_buffer_rows", "cache.kv_format", "engine.max_batch_size"]
     if rows >= 2 * MIN_ROWS_PER_THREAD:
         why = (f"{rows:.0f} missed rows per layer and step: the host gather is the work; "
                f"more gather threads (cache.prefetch_threads; each takes >= "
                f"{MIN_ROWS_PER_THREAD} rows) and transfer chunks that overlap the gather "
-               "(cache.prefetch_window)")
-        return why, ["cache.prefetch_threads", "cache.prefetch_window"]
+               "(cache.fetch_chunk_rows)")
+        return why, ["cache.prefetch_threads", "cache.fetch_chunk_rows"]
     why = (f"only {rows:.1f} missed rows per layer and step: the wait is per-fetch "
            "overhead (the host-driven path syncs once per layer: selection must finish "
            "before the host knows the misses), which threads and window do not shorten; "
@@ -235,7 +235,7 @@ def throughput(m: dict, link_gbps: float | None, hardware: str | None) -> list[d
     if hr is not None and hr < HIT_RATE_LOW:
         out.append(finding("throughput", "warn", f"hot-buffer hit rate {hr:.1%} < "
                            f"{HIT_RATE_LOW:.0%}", fetch_cause(m, link_gbps)[0],
-                           ["cache.staging_capacity", "cache.eviction"]))
+                           ["cache.hot_buffer_rows", "cache.eviction"]))
     share = m["fetch_share"]
     if share is not None and share > FETCH_SHARE_HIGH:
         why, knobs = fetch_cause(m, link_gbps)
@@ -256,7 +256,7 @@ def throughput(m: dict, link_gbps: float | None, hardware: str | None) -> list[d
                            f"of {hardware}'s {link_gbps:g} GB/s host link",
                            "at or above half the link, bytes limit the step: fewer misses or "
                            "smaller rows" if sev == "warn" else "the link is not the limit",
-                           ["cache.staging_capacity", "cache.kv_format"] if sev == "warn" else ()))
+                           ["cache.hot_buffer_rows", "cache.kv_format"] if sev == "warn" else ()))
     return out + _batch_and_drafts(m)
 
 

@@ -58,14 +58,18 @@ _FREE_FIELDS = {"user", "request_id", "metadata", "store", "service_tier"}   # i
 
 @dataclasses.dataclass(frozen=True)
 class SamplingRequest:
-    """One validated generation request (either endpoint)."""
+    """One generation request (either endpoint), its HTTP side validated: fields known,
+    JSON types, OpenAI's names and defaults. The values the engine takes (temperature,
+    top_p, top_k, seed, token ids against the vocabulary, lengths) are checked once, by
+    the engine's own check (`Engine.check_request`), which the server calls before it
+    queues the request."""
     prompt_text: str | None        # text to tokenize (None: prompt_ids given)
     prompt_ids: list[int] | None
     max_tokens: int | None         # None: up to the context limit
-    temperature: float
-    top_p: float
-    top_k: int                     # 0 = off
-    seed: int | None               # None: the server draws one
+    temperature: Any               # as sent (default 1.0): the engine checks it
+    top_p: Any                     # as sent (default 1.0)
+    top_k: Any                     # as sent, vLLM's -1 as 0 (= off)
+    seed: Any                      # as sent; None: the server draws one
     stop: tuple[str, ...]
     stop_token_ids: tuple[int, ...]
     ignore_eos: bool
@@ -92,8 +96,8 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _is_num(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
+def _or_default(v: Any, default: Any) -> Any:
+    return default if v is None else v
 
 
 def _prompt(v: Any) -> tuple[str | None, list[int] | None]:
@@ -124,23 +128,14 @@ def _common(body: dict, known: set[str]) -> dict:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise bad("model", "must be a string")
-    temperature = body.get("temperature", 1.0)
-    if temperature is None:
-        temperature = 1.0
-    if not _is_num(temperature) or not 0.0 <= temperature <= 100.0:
-        raise bad("temperature", f"{temperature!r} is invalid: allowed a number in 0..100 "
-                                 "(0 = greedy)")
-    top_p = body.get("top_p", 1.0)
-    top_p = 1.0 if top_p is None else top_p
-    if not _is_num(top_p) or not 0.0 < top_p <= 1.0:
-        raise bad("top_p", f"{top_p!r} is invalid: allowed a number in (0, 1]")
-    top_k = body.get("top_k", 0)
-    top_k = 0 if top_k is None else top_k
-    if not _is_int(top_k) or top_k < -1:
-        raise bad("top_k", f"{top_k!r} is invalid: allowed -1 or 0 (off) or an integer >= 1")
+    # The sampling values themselves are the engine's to check (`Engine.check_request`,
+    # called by the server before it queues): here only JSON's null and vLLM's top_k -1
+    # ("off", the engine's 0) become the engine's defaults.
+    temperature = _or_default(body.get("temperature"), 1.0)
+    top_p = _or_default(body.get("top_p"), 1.0)
+    top_k = _or_default(body.get("top_k"), 0)
+    top_k = 0 if _is_int(top_k) and top_k == -1 else top_k
     seed = body.get("seed")
-    if seed is not None and (not _is_int(seed) or not 0 <= seed < 2 ** 32):
-        raise bad("seed", f"{seed!r} is invalid: allowed an integer in 0..2**32-1")
     stop = body.get("stop")
     stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) \
@@ -167,8 +162,8 @@ def _common(body: dict, known: set[str]) -> dict:
         include_usage = opts.get("include_usage", False)
         if not isinstance(include_usage, bool):
             raise bad("stream_options.include_usage", "allowed true or false")
-    return dict(model=model, temperature=float(temperature), top_p=float(top_p),
-                top_k=max(0, top_k), seed=seed, stop=tuple(stop),
+    return dict(model=model, temperature=temperature, top_p=top_p,
+                top_k=top_k, seed=seed, stop=tuple(stop),
                 stop_token_ids=tuple(stop_ids), include_usage=include_usage, **flags)
 
 

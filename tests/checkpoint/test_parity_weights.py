@@ -5,10 +5,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from split_steps import decode_step
 
 from jlco.checkpoint.hf_names import hf_tensor_names, model_from_hf
 from jlco.config import load_config
-from jlco.model import decode, kv_cache
+from jlco.model import kv_cache, prefill
 
 CFG = load_config("configs/tiny.py")
 M = CFG.model
@@ -23,7 +24,7 @@ def _random_tensors(mtp: bool) -> dict:
 
 @pytest.fixture(scope="module")
 def mtp_model():
-    return decode.split(model_from_hf(M, _random_tensors(True), mtp=True))
+    return prefill.split(model_from_hf(M, _random_tensors(True), mtp=True))
 
 
 def test_names_cover_checkpoint_layout():
@@ -93,16 +94,16 @@ def test_latent_rows_roundtrip(fmt, dtype, exact):
 
 def test_sample_greedy_and_logprobs():
     logits = jnp.asarray(np.random.RandomState(2).randn(3, 50).astype(np.float32))
-    tok, lp = decode.sample(logits, 0.0, jax.random.key(0))
+    tok, lp = prefill.sample(logits, 0.0, jax.random.key(0))
     chex.assert_trees_all_equal(np.asarray(tok), np.argmax(np.asarray(logits), -1))
     want = np.asarray(jax.nn.log_softmax(logits))[np.arange(3), np.asarray(tok)]
     # both f32 log-softmax of the same logits, possibly fused/reduced differently: rtol 1e-6
     # is a few f32 ulps on log-probs of magnitude ~1-4
     chex.assert_trees_all_close(np.asarray(lp), want, rtol=1e-6, atol=0)
     peaked = logits.at[:, 7].set(100.0)
-    tok_t, _ = decode.sample(peaked, jnp.array([1.0, 0.5, 0.0]), jax.random.key(1))
+    tok_t, _ = prefill.sample(peaked, jnp.array([1.0, 0.5, 0.0]), jax.random.key(1))
     chex.assert_trees_all_equal(np.asarray(tok_t), np.full(3, 7))
-    draws = {int(decode.sample(logits[:1], 5.0, jax.random.key(i))[0][0]) for i in range(20)}
+    draws = {int(prefill.sample(logits[:1], 5.0, jax.random.key(i))[0][0]) for i in range(20)}
     assert len(draws) > 3                                 # temperature really samples
 
 
@@ -112,12 +113,12 @@ def test_mtp_draft_cached_equals_full(mtp_model):
     g, s = mtp_model
     toks = np.random.RandomState(5).randint(0, M.vocab_size, (1, 41)).astype(np.int32)
     cache = kv_cache.init_cache(CFG, 1, 64)
-    _, hid, cache = decode.decode_step(g, s, cache, jnp.asarray(toks[:, :40]), impl="xla")
-    full, _, _ = decode.mtp_step(g, s, jax.tree.map(jnp.copy, cache), hid, jnp.asarray(toks[:, 1:41]),
+    _, hid, cache = decode_step(g, s, cache, jnp.asarray(toks[:, :40]), impl="xla")
+    full, _, _ = prefill.mtp_step(g, s, jax.tree.map(jnp.copy, cache), hid, jnp.asarray(toks[:, 1:41]),
                                  jnp.array([0], jnp.int32), impl="xla")
-    _, _, c2 = decode.mtp_step(g, s, cache, hid[:, :39], jnp.asarray(toks[:, 1:40]),
+    _, _, c2 = prefill.mtp_step(g, s, cache, hid[:, :39], jnp.asarray(toks[:, 1:40]),
                                jnp.array([0], jnp.int32), impl="xla")
-    last, _, _ = decode.mtp_step(g, s, c2, hid[:, 39:40], jnp.asarray(toks[:, 40:41]),
+    last, _, _ = prefill.mtp_step(g, s, c2, hid[:, 39:40], jnp.asarray(toks[:, 40:41]),
                                  jnp.array([39], jnp.int32), impl="xla")
     chex.assert_shape(full, (1, 40, M.vocab_size))   # MTP draft logits [b, s, V]
     chex.assert_type(full, jnp.float32)

@@ -68,7 +68,7 @@ def test_short_prompt_warm_up_fetches_its_rows(cfg, model):
 
 
 def test_host_pool_above_the_machines_ram_is_refused(cfg, monkeypatch):
-    from jlco.engine import runner
+    from jlco.engine import allocation as runner
     monkeypatch.setattr(runner, "physical_memory_bytes", lambda: 1 << 16)   # 64 KiB of RAM
     with pytest.raises(ValueError, match=r"above 95% of this machine's.*max_batch_size"):
         runner.allocate_cache(cfg)

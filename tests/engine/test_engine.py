@@ -34,8 +34,8 @@ def _baseline(kv_format, model, prompts):
 ])
 def test_offload_equals_on_device(model, prompts, kv_format, staging, eviction, window):
     cfg = BASE.replace(cache__kv_format=kv_format, cache__offload=True,
-                       cache__staging_capacity=staging, cache__eviction=eviction,
-                       cache__prefetch_window=window)
+                       cache__hot_buffer_rows=staging, cache__eviction=eviction,
+                       cache__fetch_chunk_rows=window)
     eng, got = _run(cfg, model, prompts)
     assert got == _baseline(kv_format, model, prompts)
     total = eng.metrics.snapshot()["total"]
@@ -48,7 +48,7 @@ def test_multi_token_steps_equal(model, prompts):
     cfg = BASE.replace(engine__num_draft_tokens=1)
     off = Engine(cfg, model)
     on = Engine(cfg.replace(cache__offload=True), model)
-    assert on.cfg.staging_capacity == 2 * TOPK
+    assert on.cfg.hot_buffer_rows == 2 * TOPK
     assert_forward_equal(off, on, prompts[2:])
     assert on.metrics is not None
 
@@ -78,7 +78,7 @@ def test_engine_hits_equal_independent_replay(model, prompts, tmp_path):
     lens = dict(enumerate(PROMPT_LENS))
     hits = np.zeros(tr.meta["num_layers"], int)
     for req, layer in tr.keys():
-        ref = ReferenceCache(cfg.staging_capacity, "lru")
+        ref = ReferenceCache(cfg.hot_buffer_rows, "lru")
         for step, ids in enumerate(tr.sets(req, layer)):
             ref.step([lens[req] + step])          # the token fed this step is inserted
             hits[layer] += ref.step(ids)[0]
@@ -108,5 +108,5 @@ def test_request_and_config_errors(model):
         eng.submit([BASE.model.vocab_size], 1)
     with pytest.raises(RequestError, match="max_context_len"):
         eng.submit([1] * 150, 20)
-    with pytest.raises(ConfigError, match="cache.staging_capacity"):
-        BASE.replace(cache__offload=True, cache__staging_capacity=TOPK - 1)
+    with pytest.raises(ConfigError, match="cache.hot_buffer_rows"):
+        BASE.replace(cache__offload=True, cache__hot_buffer_rows=TOPK - 1)

@@ -12,7 +12,8 @@ from engine_workload import run_workload as _run
 
 from jlco.engine import host_driven as engine_host
 from jlco.engine.core import Engine
-from jlco.engine.runner import device_cache_bytes
+from jlco.engine.allocation import device_cache_bytes
+from jlco.offload import host_fetch
 from jlco.planning.trace import read_trace
 from jlco.util.buckets import pow2_bucket
 
@@ -21,7 +22,7 @@ COUNTS = ("lookups", "hits", "misses", "h2d_rows", "d2h_rows")
 
 def test_host_driven_equals_on_device_and_in_jit(model, prompts, tmp_path):
     """pinned_host, LRU, f32 rows, transfers in chunks of 16 rows (several per layer)."""
-    cfg = BASE.replace(cache__offload=True, cache__eviction="lru", cache__prefetch_window=16)
+    cfg = BASE.replace(cache__offload=True, cache__eviction="lru", cache__fetch_chunk_rows=16)
     _, base = _run(BASE, model, prompts)
     jit_eng, in_jit = _run(cfg.replace(cache__fetch_path="in_jit"), model, prompts,
                            trace_path=str(tmp_path / "jit.trc"))
@@ -52,12 +53,12 @@ def test_host_driven_equals_on_device_and_in_jit(model, prompts, tmp_path):
 def test_file_storage_fp8_fifo(model, prompts, tmp_path, monkeypatch):
     """storage "file" (np.memmap; auto picks host_driven), FIFO, fp8 rows, one transfer
     per micro-batch, and the gather split across both prefetch threads."""
-    monkeypatch.setattr(engine_host, "MIN_ROWS_PER_THREAD", 2)
+    monkeypatch.setattr(host_fetch, "MIN_ROWS_PER_THREAD", 2)
     fp8 = BASE.replace(cache__kv_format="fp8")
     _, base = _run(fp8, model, prompts)
     cfg = fp8.replace(cache__offload=True, cache__storage="file",
                       cache__storage_path=str(tmp_path), cache__eviction="fifo",
-                      cache__staging_capacity=48, cache__prefetch_window=0,
+                      cache__hot_buffer_rows=48, cache__fetch_chunk_rows=0,
                       cache__prefetch_threads=2)
     eng, got = _run(cfg, model, prompts)
     assert eng.runner.host is not None and eng.runner.host.pool.storage == "file"
@@ -75,7 +76,7 @@ def test_multi_token_forward_equal(model, prompts):
     """s_q = 2 through Engine.forward (the verification pass of speculative decoding),
     from unpinned_host memory. The hot buffer holds s_q * topk rows; no drafter is needed
     for the verification pass itself (speculative steps run the in-jit path only)."""
-    cfg = BASE.replace(cache__staging_capacity=2 * BASE.model.index_topk)
+    cfg = BASE.replace(cache__hot_buffer_rows=2 * BASE.model.index_topk)
     off = Engine(cfg, model)
     on = Engine(cfg.replace(cache__offload=True, cache__fetch_path="host_driven",
                             cache__storage="unpinned_host", cache__eviction="fifo"), model)

@@ -1,4 +1,4 @@
-"""Sampling filters (`steps.sampling_logits`, `steps.sample_rows`) against an independent
+"""Sampling filters (`sampling.sampling_logits`, `sampling.sample_rows`) against an independent
 float64 numpy reference of temperature, then top-k, then top-p over the top-k
 renormalised distribution (vLLM's order), ties with the last kept value kept: the kept
 sets, greedy rows, top_k = 1, bit-identical unfiltered rows beside filtering ones, and
@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jlco.engine.steps import sample_rows, sampling_logits
+from jlco.engine.sampling import sample_rows, sampling_logits
 
 V = 64
 # (temperature, top_p, top_k): no filter, top-p only, top-k only, k = V and k > V (filter

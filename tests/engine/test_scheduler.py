@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from jlco.engine.scheduler import RequestError, Scheduler
+from jlco.engine.scheduler import RequestError, Scheduler, check_request
 from jlco.offload.pages import PageAllocator
 
 VOCAB = 100
@@ -171,6 +171,59 @@ def test_bad_fields_name_the_field(kwargs, field):
     with pytest.raises(RequestError, match=field):
         s.add(**args)
     assert not s.has_work and s.requests == {}
+
+
+def _refusal(fn, *args):
+    with pytest.raises(RequestError) as info:
+        fn(*args)
+    return info.value.field, info.value.kind
+
+
+def test_refusals_carry_their_field_and_kind():
+    """Callers (the server's HTTP status) decide on `field` and `kind`, not the text."""
+    s = make(slots=2, pages=4)
+    assert _refusal(s.add, [VOCAB], 2) == ("prompt", "invalid")
+    assert _refusal(s.add, [1, 2], 0) == ("max_new_tokens", "invalid")
+    assert _refusal(s.add, [1, 2], 40) == ("max_new_tokens", "too_long")
+    assert _refusal(s.abort, 99) == ("request_id", "not_found")
+    assert _refusal(s.add_running, 10, 10) == (None, "no_pages")     # 5 pages of 4
+    assert s.pages.used_pages == 0 and s.requests == {}
+    r = s.add_running(10, 2)
+    s.add_running(2, 2)
+    assert _refusal(s.add_running, 1, 1) == (None, "no_slot")
+    for req in (r, s.slots[1]):
+        s.append(req, 1, 0.0)
+        s.append(req, 1, 0.0)
+    assert_empty(s)
+
+
+def test_check_request_is_the_check_add_applies():
+    f = check_request([1, 2], 3, 1, 5, [VOCAB - 1], top_p=1, top_k=10 * VOCAB,
+                      vocab_size=VOCAB, max_context_len=32)
+    assert (f.prompt, f.max_new_tokens, f.temperature, f.seed, f.stop_token_ids, f.top_p,
+            f.top_k) == ([1, 2], 3, 1.0, 5, (VOCAB - 1,), 1.0, VOCAB)
+    assert type(f.temperature) is float and type(f.top_p) is float
+    req = make().add([1, 2], 3, 1, 5, [VOCAB - 1], top_p=1, top_k=10 * VOCAB)
+    assert (req.prompt, req.temperature, req.stop_token_ids, req.top_k) == \
+        (f.prompt, f.temperature, f.stop_token_ids, f.top_k)
+
+
+def test_status_copies_the_admission_counts():
+    s = Scheduler(4, 64, VOCAB, pages=PageAllocator(8, 4), host_watermarks=(0.7, 0.3))
+    reqs = [s.add(list(range(6)), 2) for _ in range(4)]              # 2 pages each
+    s.schedule()
+    st = s.status()
+    assert (st.waiting, st.running, st.slots, st.free_slots) == (1, 3, 4, 1)
+    assert st.pool_usage == {"device": 0.75, "host": 0.75} and st.paused["host"]
+    assert st.holding_pool() == "host" and st.watermarks["device"] is None
+    assert st.host_pool.used_pages == 6 and st.host_pool.leaked_pages == 0
+    assert [(r.running, r.admitted, r.host_usage) for r in st.ranks] == [(3, 3, 0.75)]
+    s.append(reqs[0], 1, 0.0)
+    assert s.status().waiting == 1 and st.running == 3      # a copy: `st` did not move
+    for r in reqs:
+        s.abort(r.id)
+    assert s.status().holding_pool() == "host"     # paused until admission looks again
+    assert s.admission_paused() is None and s.status().holding_pool() is None
 
 
 def test_host_watermark_pauses_admission_until_low():

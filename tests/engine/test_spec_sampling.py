@@ -16,7 +16,8 @@ from flax import nnx
 
 from jlco.config import load_config
 from jlco.engine.core import Engine
-from jlco.engine.speculative import ListDrafter, rejection_accept
+from jlco.engine.sampling import rejection_accept
+from jlco.engine.speculative import ListDrafter
 from jlco.model.decoder import DeepseekV32
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -123,11 +124,12 @@ def _run(cfg, model, prompts, which=None, *, temperature, top_p=1.0, top_k=0, dr
     if eng.runner.spec is not None:
         spec_step = eng.runner.spec.step
 
-        def recording(running):
-            out = spec_step(running)
-            steps.append(([r.id for r in running], out[3], out[4],
-                          [len(t) for t in out[0]]))
-            return out
+        def recording(cache, running, scan_len):
+            result = spec_step(cache, running, scan_len)
+            out = result[0]
+            steps.append(([r.id for r in running], out.drafted, out.accepted,
+                          [len(t) for t in out.tokens]))
+            return result
         eng.runner.spec.step = recording
     which = range(len(prompts)) if which is None else which
     reqs = [eng.submit(prompts[i], NEW_TOKENS[i], temperature, SEEDS[i], top_p=top_p,

@@ -17,11 +17,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from split_steps import decode_step
 
 from jlco.config import ConfigError, load_config
 from jlco.engine.core import Engine
 from jlco.engine.speculative import ListDrafter, MTPDrafter
-from jlco.model import decode
+from jlco.model import prefill
 from jlco.model.decoder import DeepseekV32
 from jlco.model.kv_cache import init_cache
 
@@ -171,9 +172,9 @@ def _reference_mtp(model, seq):
     hidden [1, T-1, d]; the cache holding every MTP row)."""
     graphdef, state = nnx.split(model)
     cache = init_cache(BASE, batch=1, max_len=len(seq))
-    _, h, cache = decode.decode_step(graphdef, state, cache, jnp.asarray([seq], jnp.int32),
+    _, h, cache = decode_step(graphdef, state, cache, jnp.asarray([seq], jnp.int32),
                                      impl="xla")
-    logits, x, cache = decode.mtp_step(graphdef, state, cache, h[:, :-1],
+    logits, x, cache = prefill.mtp_step(graphdef, state, cache, h[:, :-1],
                                        jnp.asarray([seq[1:]], jnp.int32),
                                        jnp.zeros((1,), jnp.int32), impl="xla")
     return np.asarray(jnp.argmax(logits[0], axis=-1)), x, cache
@@ -201,7 +202,7 @@ def test_mtp_drafts_match_from_scratch_mtp(model, prompts, greedy, run):
     for count, (d1, d2) in steps:
         pos = n_prompt + count - 1                    # L: position of the last token x_L
         assert d1 == ref[pos - 1], count
-        chained, _, _ = decode.mtp_step(graphdef, state, jax.tree.map(jnp.copy, cache),
+        chained, _, _ = prefill.mtp_step(graphdef, state, jax.tree.map(jnp.copy, cache),
                                         x[:, pos - 1:pos], jnp.asarray([[d1]], jnp.int32),
                                         jnp.asarray([pos], jnp.int32), impl="xla")
         assert d2 == int(jnp.argmax(chained[0, 0])), count

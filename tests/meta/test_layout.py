@@ -1,7 +1,8 @@
 """The package layout's rules, read from the source (ast), not from what is loaded:
-no import cycle between jlco modules (counting imports inside functions too), the
-scheduler imports no jax, every package says in its docstring what lives there, and
-nothing in the repository cites files outside it."""
+no import cycle between jlco modules (counting imports inside functions too), each
+package imports only the packages its row of ALLOWED names (so no package-level cycle
+either), the scheduler imports no jax, every package says in its docstring what lives
+there, and nothing in the repository cites files outside it."""
 
 import ast
 import pathlib
@@ -11,6 +12,36 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 JLCO = ROOT / "jlco"
+
+# Which jlco packages each jlco package may import, anywhere in its body (the layering
+# the package docstrings state). A module file at the top (jlco/config.py, the entry
+# points jlco/serve.py, ...) is a package of its own name; "jlco" is jlco/__init__.py.
+ALLOWED = {
+    # the bottom: the standard library, jax / numpy, nothing of jlco
+    "jlco": set(),
+    "util": set(),
+    "config": set(),
+    "pallas": set(),
+    "offload": {"util"},
+    # the mesh sits below the model, whose MoE block runs expert-parallel on it
+    "parallel": {"config"},
+    "model": {"config", "offload", "pallas", "parallel", "util"},
+    "checkpoint": {"config", "model", "util"},
+    "planning": {"config", "model", "util"},
+    "engine": {"config", "model", "offload", "pallas", "parallel", "planning", "util"},
+    "server": {"config", "engine", "model", "util"},
+    # operators' HTTP clients: they talk to a server, never load a model
+    "ops": {"config", "util"},
+    # entry points (`python -m jlco.X`)
+    "convert": {"checkpoint", "config", "util"},
+    "diagnose": {"ops", "planning", "util"},
+    "generate": {"checkpoint", "config", "engine", "parallel", "planning", "util"},
+    "plan": {"config", "planning", "util"},
+    "serve": {"checkpoint", "config", "engine", "model", "parallel", "planning", "server",
+              "util"},
+    "sim": {"config", "planning", "util"},
+    "validate": {"checkpoint", "config", "ops", "util"},
+}
 
 
 def _module_name(path: pathlib.Path) -> str:
@@ -44,10 +75,27 @@ def _graph():
     return {m: _imports(p, set(mods)) - {m} for m, p in mods.items()}
 
 
-def test_no_import_cycles():
-    graph = _graph()
-    assert "jlco.engine.runner" in graph and "jlco.planning.memory" in graph
-    # Tarjan's strongly connected components: any component of size > 1 is a cycle.
+def _package(module: str) -> str:
+    """jlco.model.mla -> "model", jlco.serve -> "serve", jlco -> "jlco"."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def _cross_package_imports() -> list[tuple[str, str]]:
+    """(importer, imported) module pairs of different jlco packages."""
+    return sorted((m, d) for m, deps in _graph().items() for d in deps
+                  if _package(m) != _package(d))
+
+
+def _package_graph() -> dict[str, set[str]]:
+    graph = {_package(m): set() for m in _modules()}
+    for m, d in _cross_package_imports():
+        graph[_package(m)].add(_package(d))
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Tarjan's strongly connected components: any component of size > 1 is a cycle."""
     index, low, stack, on, cycles, counter = {}, {}, [], set(), [], [0]
 
     def visit(v):
@@ -75,7 +123,32 @@ def test_no_import_cycles():
     for v in graph:
         if v not in index:
             visit(v)
-    assert cycles == []
+    return cycles
+
+
+def test_no_import_cycles():
+    graph = _graph()
+    assert "jlco.engine.runner" in graph and "jlco.planning.memory" in graph
+    assert _cycles(graph) == []
+
+
+def test_every_package_has_a_row_in_the_table():
+    packages = set(_package_graph())
+    assert {"jlco", "config", "model", "engine", "serve"} <= packages
+    assert packages - set(ALLOWED) == set(), "give each new package its row in ALLOWED"
+    assert set().union(*ALLOWED.values()) <= set(ALLOWED)
+
+
+def test_imports_follow_the_table():
+    wrong = [f"{m} -> {d}" for m, d in _cross_package_imports()
+             if _package(d) not in ALLOWED[_package(m)]]
+    assert wrong == [], "imports against ALLOWED (move the code, or change the layering " \
+                        "in ALLOWED and the package docstring together):\n" + "\n".join(wrong)
+
+
+def test_no_package_level_cycles():
+    assert _cycles(_package_graph()) == []
+    assert _cycles(ALLOWED) == []     # the table itself is a layering
 
 
 def test_cycle_detector_sees_a_cycle(tmp_path):
@@ -83,6 +156,10 @@ def test_cycle_detector_sees_a_cycle(tmp_path):
     a = tmp_path / "a.py"
     a.write_text("def f():\n    from jlco.planning import memory\n")
     assert _imports(a, {"jlco.planning.memory", "jlco.planning"}) == {"jlco.planning.memory"}
+
+
+def test_package_cycle_detector_sees_a_cycle():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
 def test_scheduler_imports_no_jax_in_source():

@@ -14,13 +14,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from split_steps import decode_step
 
 from jlco.config import load_config
-from jlco.model import decode, fp8_emul, kv_cache
-from jlco.model.attention import indexer_scores_xla
+from jlco.model import fp8_emul, kv_cache, prefill
 from jlco.model.decoder import DeepseekV32
 from jlco.model.indexer import Indexer
 from jlco.model.layers import rope_cos_sin
+from jlco.pallas.indexer import indexer_scores_ref
 
 CFG = load_config("configs/tiny.py")
 S = 40
@@ -77,7 +78,7 @@ def test_emulated_scores_close_to_exact():
     scores = []
     for mod in (exact, emul):
         q, k, w = mod.project(x, qr, cos, sin)
-        scores.append(np.asarray(indexer_scores_xla(q, w, k, lengths))[0])
+        scores.append(np.asarray(indexer_scores_ref(q, w, k, lengths))[0])
     ex, em = scores
     fin = np.isfinite(ex)
     assert (np.isfinite(em) == fin).all()
@@ -111,8 +112,8 @@ def test_model_with_fp8_indexer_close_to_exact():
     toks = jnp.asarray(np.random.RandomState(4).randint(0, CFG.model.vocab_size, (1, S)), jnp.int32)
     out = []
     for model, cfg in ((exact, CFG), (fp8_model, CFG.replace(cache__indexer_key_format="fp8"))):
-        g, s = decode.split(model)
-        logits, _, _ = decode.decode_step(g, s, kv_cache.init_cache(cfg, 1, 64), toks, impl="xla")
+        g, s = prefill.split(model)
+        logits, _, _ = decode_step(g, s, kv_cache.init_cache(cfg, 1, 64), toks, impl="xla")
         chex.assert_shape(logits, (1, S, CFG.model.vocab_size))   # [b, s, V]
         chex.assert_type(logits, jnp.float32)
         out.append(np.asarray(logits))

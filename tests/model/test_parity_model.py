@@ -25,10 +25,11 @@ import numpy as np
 import pytest
 import torch
 from hf_reference import build_hf_model, hf_tensors, t2n
+from split_steps import decode_step
 
 from jlco.checkpoint.hf_names import model_from_hf
 from jlco.config import load_config
-from jlco.model import decode, kv_cache
+from jlco.model import kv_cache, prefill
 
 CFG = load_config("configs/tiny.py")
 PROMPT_LENS = (20, 48)
@@ -50,7 +51,7 @@ def ref():
 
 @pytest.fixture(scope="module")
 def ours(ref):
-    return decode.split(model_from_hf(CFG.model, hf_tensors(ref), mtp=False))
+    return prefill.split(model_from_hf(CFG.model, hf_tensors(ref), mtp=False))
 
 
 @pytest.fixture(scope="module")
@@ -81,13 +82,13 @@ def our_generated(ours, prompts):
     """Ragged batched prefill + STEPS greedy decode steps → (tokens [2, STEPS], logits)."""
     g, s = ours
     cache = kv_cache.init_cache(CFG, 2, MAX_LEN)
-    logits, _, cache = decode.prefill(ours, cache, prompts, PROMPT_LENS, chunk=CHUNK, impl="xla")
+    logits, _, cache = prefill.prefill(ours, cache, prompts, PROMPT_LENS, chunk=CHUNK, impl="xla")
     toks, all_logits = [], []
     for _ in range(STEPS):
         all_logits.append(np.asarray(logits))
         nxt = np.argmax(all_logits[-1], axis=-1).astype(np.int32)
         toks.append(nxt)
-        step_logits, _, cache = decode.decode_step(g, s, cache, jnp.asarray(nxt[:, None]),
+        step_logits, _, cache = decode_step(g, s, cache, jnp.asarray(nxt[:, None]),
                                                    impl="xla")
         chex.assert_shape(step_logits, (2, 1, CFG.model.vocab_size))   # [b, s, V]
         chex.assert_type(step_logits, jnp.float32)
@@ -100,7 +101,7 @@ def test_full_sequence_logits_match(ref, ours, prompts):
     with torch.no_grad():
         want = t2n(ref(torch.tensor(prompts[1:2, :n])).logits)
     g, s = ours
-    got, _, cache = decode.decode_step(g, s, kv_cache.init_cache(CFG, 1, MAX_LEN),
+    got, _, cache = decode_step(g, s, kv_cache.init_cache(CFG, 1, MAX_LEN),
                                        jnp.asarray(prompts[1:2, :n]), impl="xla")
     chex.assert_shape(got, (1, n, CFG.model.vocab_size))   # logits [b, s, V]
     chex.assert_type(got, jnp.float32)
@@ -126,7 +127,7 @@ def test_decode_equals_full_recompute(ours, prompts, our_generated):
     for i, n in enumerate(PROMPT_LENS):
         full[i, :n + STEPS] = np.concatenate([prompts[i, :n], toks[i]])
         lens.append(n + STEPS)
-    logits, _, _ = decode.prefill(ours, kv_cache.init_cache(CFG, 2, MAX_LEN), full, lens,
+    logits, _, _ = prefill.prefill(ours, kv_cache.init_cache(CFG, 2, MAX_LEN), full, lens,
                                   chunk=CHUNK, impl="xla")
     # our own f32 model both sides, but cached decode (one query per step, absorbed
     # attention over the cache) vs one prefill: different summation order; same budget as
@@ -135,9 +136,9 @@ def test_decode_equals_full_recompute(ours, prompts, our_generated):
 
 
 def test_chunked_prefill_equals_single_chunk(ours, prompts):
-    single, h1, c1 = decode.prefill(ours, kv_cache.init_cache(CFG, 2, MAX_LEN), prompts,
+    single, h1, c1 = prefill.prefill(ours, kv_cache.init_cache(CFG, 2, MAX_LEN), prompts,
                                     PROMPT_LENS, chunk=CHUNK, impl="xla")
-    chunked, h2, c2 = decode.prefill(ours, kv_cache.init_cache(CFG, 2, MAX_LEN), prompts,
+    chunked, h2, c2 = prefill.prefill(ours, kv_cache.init_cache(CFG, 2, MAX_LEN), prompts,
                                      PROMPT_LENS, chunk=16, impl="xla")
     # same f32 model and inputs, chunk 16 vs CHUNK: only the matmul row blocking and the
     # attention split across chunk boundaries change the summation order; logits are ~3,

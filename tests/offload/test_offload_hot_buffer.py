@@ -1,5 +1,6 @@
 """resolve() against the independent OrderedDict reference, crafted traces with known
-hit counts, duplicates, invalid ids, capacity checks, insert_new and clear_requests."""
+hit counts, duplicates, invalid ids, capacity checks, insert_new, and the engine's
+install emptying only the installed slot's tables."""
 import functools
 
 import chex
@@ -7,19 +8,28 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from engine_workload import BASE
 
-from jlco.offload.hot_buffer import (
-    POLICIES,
-    ReferenceCache,
-    clear_requests,
-    gather_slots,
-    init_hot_buffer,
-    insert_new,
-    resolve,
-    scatter_rows,
-)
+from jlco.engine.steps import install
+from jlco.model.kv_cache import cache_layers, init_cache
+from jlco.offload.hot_buffer import POLICIES, ReferenceCache, insert_new, resolve, scatter_rows
+from jlco.offload.latent import STAT_NAMES, OffloadLatent
 
 _resolve = jax.jit(resolve, static_argnums=4)
+
+
+def _empty(b, capacity, row_bytes):
+    """An empty hot buffer of one layer: rows [b, C, R] and its slot tables [b, C]."""
+    return (jnp.zeros((b, capacity, row_bytes), jnp.uint8),
+            jnp.full((b, capacity), -1, jnp.int32), jnp.full((b, capacity), -1, jnp.int32))
+
+
+def gather_slots(rows, slot_ids):
+    """rows [b, C, R] at slot_ids [b, s_q, k] → [b, s_q, k, R] (zeros where −1): what the
+    sparse attention kernel reads."""
+    rows, sid = np.asarray(rows), np.asarray(slot_ids)
+    got = rows[np.arange(rows.shape[0])[:, None, None], np.maximum(sid, 0)]
+    return np.where((sid >= 0)[..., None], got, 0).astype(rows.dtype)
 
 
 def _run_trace(trace, capacity, policy):
@@ -82,8 +92,8 @@ def test_sliding_window_reuse(policy):
 
 def test_duplicates_share_one_slot_and_one_miss():
     pos = jnp.array([[[5, 5, -1], [5, 7, 7]]], jnp.int32)      # b 1, s_q 2, k 3
-    hb = init_hot_buffer(1, 1, 6, 4)
-    r = resolve(hb.slot_pos[0], hb.slot_stamp[0], pos, 0)
+    _, sp, st = _empty(1, 6, 4)
+    r = resolve(sp, st, pos, 0)
     assert int(r.n_miss[0]) == 2 and int(r.n_lookup[0]) == 2
     sid = np.asarray(r.slot_ids[0])
     assert sid[0, 0] == sid[0, 1] == sid[1, 0] and sid[0, 2] == -1 and sid[1, 1] == sid[1, 2]
@@ -91,18 +101,17 @@ def test_duplicates_share_one_slot_and_one_miss():
 
 
 def test_capacity_below_minimum_names_it():
-    hb = init_hot_buffer(1, 1, 5, 4)
+    _, sp, st = _empty(1, 5, 4)
     with pytest.raises(ValueError, match=r"minimum is s_q \* topk = 2 \* 3 = 6"):
-        resolve(hb.slot_pos[0], hb.slot_stamp[0], jnp.zeros((1, 2, 3), jnp.int32), 0)
+        resolve(sp, st, jnp.zeros((1, 2, 3), jnp.int32), 0)
     with pytest.raises(ValueError, match="policy='mru'"):
-        resolve(hb.slot_pos[0], hb.slot_stamp[0], jnp.zeros((1, 1, 3), jnp.int32), 0, "mru")
+        resolve(sp, st, jnp.zeros((1, 1, 3), jnp.int32), 0, "mru")
 
 
 @pytest.mark.parametrize("policy", POLICIES)
 def test_insert_new_then_resolve_hits_and_matches_reference(policy):
     b, cap, rb = 2, 4, 3
-    hb = init_hot_buffer(1, b, cap, rb)
-    rows, sp, st = hb.rows[0], hb.slot_pos[0], hb.slot_stamp[0]
+    rows, sp, st = _empty(b, cap, rb)
     refs = [ReferenceCache(cap, policy) for _ in range(b)]
     ins = jax.jit(functools.partial(insert_new, policy=policy))
     for t in range(6):
@@ -116,7 +125,7 @@ def test_insert_new_then_resolve_hits_and_matches_reference(policy):
         for i in range(b):
             assert (int(r.n_hit[i]), int(r.n_miss[i])) == refs[i].step(np.asarray(sel[i]).ravel())
         assert int(r.n_hit[0]) >= 1 and int(r.n_hit[1]) >= 1     # the new token is a hit
-        got = np.asarray(gather_slots(rows, r.slot_ids))
+        got = gather_slots(rows, r.slot_ids)
         assert (got[0, 0, 0] == t + 1).all() and (got[1, 0, 0] == t + 50).all()
         sp, st = r.slot_pos, r.slot_stamp
 
@@ -147,10 +156,23 @@ def test_insert_new_equals_resolve_then_scatter(policy):
     assert (np.asarray(res.n_hit) > 0).any() and (np.asarray(res.n_miss) > 1).any()
 
 
-def test_clear_requests_empties_only_freed_batch_entries():
-    hb = init_hot_buffer(2, 3, 4, 2)
-    hb = hb._replace(slot_pos=jnp.ones_like(hb.slot_pos), slot_stamp=jnp.ones_like(hb.slot_stamp))
-    out = clear_requests(hb, jnp.array([False, True, False]))
+def test_install_empties_only_the_installed_slot():
+    """A request taking a batch slot starts with none of its predecessor's rows: the
+    engine's install empties that slot's tables in every layer and nothing else."""
+    cfg = BASE.replace(cache__offload=True)
+    n_layers, b, cap, rb = cache_layers(cfg), 2, 4, cfg.row_bytes
+    lat = OffloadLatent(
+        rows=jnp.zeros((n_layers, b, cap, rb), jnp.uint8),
+        slot_pos=jnp.ones((n_layers, b, cap), jnp.int32),
+        slot_stamp=jnp.ones((n_layers, b, cap), jnp.int32),
+        host=tuple(jnp.zeros((16, rb), jnp.uint8) for _ in range(n_layers)),
+        page_table=jnp.full((b, 2), -1, jnp.int32), step=jnp.int32(0),
+        stats=jnp.zeros((n_layers, len(STAT_NAMES)), jnp.int32), policy="lru", page_size=8,
+        chunk_rows=0)
+    cache = init_cache(cfg, batch=b, max_len=16, latent=lat)
+    temp = init_cache(cfg, batch=1, max_len=16)
+    out = install(cache, temp, 1, 3, jnp.array([0, -1], jnp.int32)).latent
     sp = np.asarray(out.slot_pos)
-    assert (sp[:, 1] == -1).all() and (sp[:, [0, 2]] == 1).all()
-    assert (np.asarray(out.slot_stamp)[:, 1] == -1).all()
+    assert (sp[:, 1] == -1).all() and (sp[:, 0] == 1).all()
+    st = np.asarray(out.slot_stamp)
+    assert (st[:, 1] == -1).all() and (st[:, 0] == 1).all()

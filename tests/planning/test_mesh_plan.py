@@ -190,8 +190,8 @@ def test_mtp_union_sizing_shrinks_hot_buffer_and_raises_max_batch():
     layers = memory.cache_layers(cfg)
     assert p.per_request_offload["latent_device"] == layers * p.hot_rows * cfg.row_bytes
     assert p.max_batch_offload > p.max_batch_offload_engine_min > 0
-    # an explicit staging_capacity is planned as given (what the engine allocates)
-    fixed = cfg.replace(cache__staging_capacity=3 * 2048)
+    # an explicit hot_buffer_rows is planned as given (what the engine allocates)
+    fixed = cfg.replace(cache__hot_buffer_rows=3 * 2048)
     q = memory.plan(fixed, H200, mesh=MeshShape(8, 8, 1), check_transfer=False)
     assert q.hot_rows == 3 * 2048 and q.max_batch_offload == p.max_batch_offload_engine_min
 

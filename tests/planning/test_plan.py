@@ -10,7 +10,7 @@ from jlco.planning.hardware import HARDWARE, HardwareProfile, Sourced, get_hardw
 
 TINY = load_config("configs/tiny.py")
 CFG = TINY.replace(cache=CacheConfig(offload=True, kv_format="f32", indexer_key_format="bf16",
-                                     page_size=16, staging_capacity=64))
+                                     page_size=16, hot_buffer_rows=64))
 _S = lambda v: Sourced(v, "made up for the test")  # noqa: E731
 HW = HardwareProfile("toy", _S(0.01), _S(100.0), _S(1.0), _S(2.0), _S(1.0), _S(0.001))
 

@@ -19,7 +19,7 @@ import pytest
 from flax import nnx
 
 from jlco.config import load_config
-from jlco.engine import runner as engine
+from jlco.engine import allocation as engine
 from jlco.engine.core import Engine
 from jlco.model.decoder import DeepseekV32
 from jlco.planning import memory as plan
@@ -43,7 +43,7 @@ def model():
 
 @pytest.mark.parametrize("offload", [False, True])
 def test_abstract_accounting_equals_real_allocation(model, offload):
-    cfg = TINY.replace(cache__offload=offload, cache__staging_capacity=64,
+    cfg = TINY.replace(cache__offload=offload, cache__hot_buffer_rows=64,
                        engine__max_batch_size=3)
     eng = Engine(cfg, model, impl="xla")
     kinds = _by_kind(eng.runner.cache)
@@ -57,7 +57,7 @@ def test_abstract_accounting_equals_real_allocation(model, offload):
     dict(),                                                        # f32 rows, f32 keys
     dict(cache__kv_format="fp8", cache__indexer_key_format="fp8"),
     dict(cache__kv_format="bf16", model__dtype="bfloat16"),        # keys stored as bf16 bits
-    dict(engine__num_draft_tokens=1, cache__staging_capacity=80),  # s_q 2: MTP layer, 2k min
+    dict(engine__num_draft_tokens=1, cache__hot_buffer_rows=80),  # s_q 2: MTP layer, 2k min
 ])
 def test_cache_bytes_per_slot_match_planner_exactly(offload, formats):
     cfg = TINY.replace(cache__offload=offload, **formats)
@@ -65,7 +65,7 @@ def test_cache_bytes_per_slot_match_planner_exactly(offload, formats):
     pr = plan.per_request_bytes(cfg, cfg.engine.max_context_len, offload)
     assert per_slot == pr["indexer"] + pr["latent_device"] + pr["tables"]
     if offload:   # the hot buffer, not the context, sets the latent device bytes
-        assert pr["latent_device"] == plan.cache_layers(cfg) * cfg.staging_capacity * cfg.row_bytes
+        assert pr["latent_device"] == plan.cache_layers(cfg) * cfg.hot_buffer_rows * cfg.row_bytes
 
 
 def test_weights_match_planner_exactly(model):

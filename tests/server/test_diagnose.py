@@ -18,7 +18,7 @@ sys.path.insert(0, str(ROOT / "tests" / "cli"))
 from cli_support import assert_error  # noqa: E402
 
 STARVING = ["cache.storage=file", "cache.prefetch_threads=1",
-            "cache.staging_capacity=32"]     # index_topk x (1 + 0 drafts): the minimum
+            "cache.hot_buffer_rows=32"]     # index_topk x (1 + 0 drafts): the minimum
 PROBE = ["--interval_s=1.5", "--probe_requests=8", "--probe_prompt_len=128",
          "--probe_max_tokens=24"]
 
@@ -61,9 +61,9 @@ def test_starved_server_names_the_hot_buffer(starved, tmp_path):
     for f in rep["findings"]:
         by_q.setdefault(f["question"], []).append(f)
     (hit,) = [f for f in by_q["throughput"] if f["title"].startswith("hot-buffer hit rate")]
-    assert hit["severity"] == "warn" and hit["knobs"][0] == "cache.staging_capacity"
-    assert "cache.staging_capacity" in rep["knobs"]
-    assert any(f["title"].startswith("fetch wait is") and "cache.staging_capacity" in f["knobs"]
+    assert hit["severity"] == "warn" and hit["knobs"][0] == "cache.hot_buffer_rows"
+    assert "cache.hot_buffer_rows" in rep["knobs"]
+    assert any(f["title"].startswith("fetch wait is") and "cache.hot_buffer_rows" in f["knobs"]
                for f in by_q["throughput"])
     assert by_q["memory"][0]["severity"] == "ok"
     assert m["gauges"]["jlco_leaked_pages"]["last"] == 0
@@ -81,7 +81,7 @@ def test_no_traffic_is_said(starved):
 def test_healthy_server_does_not_blame_the_hot_buffer(tmp_path_factory):
     """The same file pool with a hot buffer as large as the context: ~all rows hit; the
     remaining wait is the host-driven path's per-layer sync, not capacity or threads."""
-    srv = _server(tmp_path_factory, ["cache.storage=file", "cache.staging_capacity=512"])
+    srv = _server(tmp_path_factory, ["cache.storage=file", "cache.hot_buffer_rows=512"])
     try:
         proc = _diagnose(f"--url={srv.url}", *PROBE, "--json")
     finally:
@@ -89,7 +89,7 @@ def test_healthy_server_does_not_blame_the_hot_buffer(tmp_path_factory):
     assert proc.returncode == 0, proc.stderr[-3000:]
     rep = json.loads(proc.stdout)
     assert rep["measurements"]["hit_rate"] > 0.95
-    assert not {"cache.staging_capacity", "cache.prefetch_threads"} & set(rep["knobs"])
+    assert not {"cache.hot_buffer_rows", "cache.prefetch_threads"} & set(rep["knobs"])
     assert not any(f["title"].startswith("hot-buffer hit rate") for f in rep["findings"])
 
 
@@ -102,10 +102,10 @@ def test_quantile_and_findings_on_made_up_numbers():
     assert hist_quantile(b1, b1, 0.99) is None                       # nothing observed
     assert hist_quantile(b0, [(0.01, 1.0), (float("inf"), 3.0)], 0.99) == 0.01   # in +Inf
     base = dict(hit_rate=0.99, misses_per_layer_step=4096.0, h2d_gbps_waiting=1.0)
-    assert fetch_cause(base, None)[1] == ["cache.prefetch_threads", "cache.prefetch_window"]
-    assert fetch_cause(dict(base, h2d_gbps_waiting=40.0), 64.0)[1][0] == "cache.staging_capacity"
+    assert fetch_cause(base, None)[1] == ["cache.prefetch_threads", "cache.fetch_chunk_rows"]
+    assert fetch_cause(dict(base, h2d_gbps_waiting=40.0), 64.0)[1][0] == "cache.hot_buffer_rows"
     assert fetch_cause(dict(base, misses_per_layer_step=3.0), 64.0)[1] == ["cache.fetch_path"]
-    assert fetch_cause(dict(base, hit_rate=0.5), 64.0)[1][0] == "cache.staging_capacity"
+    assert fetch_cause(dict(base, hit_rate=0.5), 64.0)[1][0] == "cache.hot_buffer_rows"
 
 
 @pytest.mark.parametrize("args, needle", [

@@ -23,7 +23,7 @@ def test_interleaved_offload_ratio(tmp_path):
     lo, hi = rep["pair_ratio_iqr"]
     assert lo <= rep["pair_ratio_median"] <= hi
     assert 0 < rep["hit_rate"] < 1                       # 80-token prompts, 32-row buffer
-    assert rep["staging_capacity"] == rep["topk"] == 32
+    assert rep["hot_buffer_rows"] == rep["topk"] == 32
     assert rep["roofline_ms"] > 0 and rep["on_over_roofline"] > 0
     assert (tmp_path / "bench_offload_ratio.png").stat().st_size > 0
 

@@ -24,7 +24,7 @@ def tiny(dtype="bfloat16", key_format="fp8", **model):
 def test_bytes_and_flops_by_hand():
     cfg = tiny()
     assert cfg.row_bytes == 20
-    s = roofline.decode_step(cfg, 2, [10, 5])          # 2 requests, 1 query token each
+    s = roofline.decode_step_cost(cfg, 2, [10, 5])          # 2 requests, 1 query token each
     assert s.bytes == dict(
         embed=2 * 8 * 2,                # 2 token rows x hidden 8 x 2 B
         lm_head=16 * 8 * 2,             # vocab x hidden x 2 B
@@ -57,21 +57,22 @@ def test_bytes_and_flops_by_hand():
 
 def test_union_of_experts_queries_and_key_formats():
     cfg = tiny()
-    one = roofline.decode_step(cfg, 1, 10)
+    one = roofline.decode_step_cost(cfg, 1, 10)
     assert one.experts_touched == 2 and one.bytes["routed_experts"] == 2 * 96 * 2
     # s_q = 3: query j of a request sees c + j + 1 positions.
-    spec = roofline.decode_step(cfg, 1, 1, s_q=3)
+    spec = roofline.decode_step_cost(cfg, 1, 1, s_q=3)
     assert spec.experts_touched == 4                  # min(E 4, 3 tokens x k 2)
     assert spec.bytes["latent_rows"] == 2 * (2 + 3 + 3) * 20
     assert spec.flops["indexer_scores"] == 2 * 2 * 2 * 4 * (2 + 3 + 4)
     assert spec.bytes["index_keys"] == 2 * 1 * 8      # stored keys only; new ones are writes
     # bf16 keys: 2 B per element in a bf16 model, 4 B in a float32 model (weights too).
-    assert roofline.decode_step(tiny(key_format="bf16"), 1, 10).bytes["index_keys"] == 2 * 10 * 8
-    f32 = roofline.decode_step(tiny("float32", "bf16"), 1, 10)
+    assert roofline.decode_step_cost(tiny(key_format="bf16"), 1, 10).bytes["index_keys"] \
+        == 2 * 10 * 8
+    f32 = roofline.decode_step_cost(tiny("float32", "bf16"), 1, 10)
     assert f32.bytes["index_keys"] == 2 * 10 * 16
     assert f32.bytes["lm_head"] == 16 * 8 * 4
     # tied embeddings: the head reads the whole table, no separate row reads.
-    assert roofline.decode_step(tiny(tie_word_embeddings=True), 1, 10).bytes["embed"] == 0
+    assert roofline.decode_step_cost(tiny(tie_word_embeddings=True), 1, 10).bytes["embed"] == 0
 
 
 @pytest.mark.parametrize("batch, contexts, s_q, match", [
@@ -79,7 +80,7 @@ def test_union_of_experts_queries_and_key_formats():
 ])
 def test_bad_arguments(batch, contexts, s_q, match):
     with pytest.raises(ValueError, match=match):
-        roofline.decode_step(tiny(), batch, contexts, s_q=s_q)
+        roofline.decode_step_cost(tiny(), batch, contexts, s_q=s_q)
 
 
 def test_machines():
@@ -100,7 +101,7 @@ def test_real_model_is_memory_bound_on_h200():
     the bytes; the step is memory-bound on an H200 and takes milliseconds."""
     cfg = Config(cache=CacheConfig(kv_format="fp8", indexer_key_format="fp8"),
                  engine=EngineConfig(max_context_len=32768))
-    s = roofline.decode_step(cfg, 16, 32768)
+    s = roofline.decode_step_cost(cfg, 16, 32768)
     m = roofline.hardware_machine("h200")
     assert s.experts_touched == 128                   # min(256, 16 x 8)
     assert s.bytes["index_keys"] == 61 * 16 * 32768 * 132

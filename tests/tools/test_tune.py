@@ -18,7 +18,7 @@ sys.modules["tune"] = tune   # its dataclasses look their module up
 _spec.loader.exec_module(tune)
 
 TINY = load_config(ROOT / "configs" / "tiny.py")
-GRID = dict(prefetch_window=[0, 16], prefetch_threads=[2], staging_capacity=[32, 64],
+GRID = dict(fetch_chunk_rows=[0, 16], prefetch_threads=[2], hot_buffer_rows=[32, 64],
             eviction=["lru", "fifo"], fetch_path=["in_jit", "host_driven"],
             storage=["pinned_host"])
 
@@ -41,7 +41,7 @@ def test_written_config_loads_back_equal(path, tmp_path):
 
 
 def test_candidates_grid_order_and_validation():
-    base = TINY.replace(cache__prefetch_window=16, cache__staging_capacity=64,
+    base = TINY.replace(cache__fetch_chunk_rows=16, cache__hot_buffer_rows=64,
                         cache__eviction="fifo", cache__fetch_path="in_jit")
     cands = tune.candidates(base, GRID)
     assert len(cands) == 16 and all(c.cache.offload for c in cands)
@@ -49,8 +49,8 @@ def test_candidates_grid_order_and_validation():
     assert len({tuple(tune.knobs(c).values()) for c in cands}) == 16
     assert [tune.knobs(c) for c in tune.candidates(base, GRID, seed=1)][1:] != \
         [tune.knobs(c) for c in cands][1:]   # the seed orders the rest
-    with pytest.raises(ConfigError, match="cache.staging_capacity"):
-        tune.candidates(base, {**GRID, "staging_capacity": [8]})   # < index_topk 32
+    with pytest.raises(ConfigError, match="cache.hot_buffer_rows"):
+        tune.candidates(base, {**GRID, "hot_buffer_rows": [8]})   # < index_topk 32
     with pytest.raises(ConfigError, match="cache.eviction"):
         tune.candidates(base, {**GRID, "eviction": ["random"]})
     with pytest.raises(ValueError, match="missing knobs"):
@@ -58,7 +58,7 @@ def test_candidates_grid_order_and_validation():
     # Config.replace applies one section's overrides together (storage + its path)
     assert TINY.replace(cache__storage="file", cache__storage_path="/x").cache.storage == "file"
     assert tune.parse_capacity("2x", TINY) == 64 and tune.parse_capacity("48", TINY) == 48
-    with pytest.raises(ValueError, match="staging_capacity='big'"):
+    with pytest.raises(ValueError, match="hot_buffer_rows='big'"):
         tune.parse_capacity("big", TINY)
 
 
@@ -88,13 +88,13 @@ def test_cli_end_to_end(tmp_path):
     small = TINY.replace(model=dataclasses.replace(
         TINY.model, num_hidden_layers=2, num_nextn_predict_layers=0, index_topk=16),
         engine__max_context_len=64, engine__max_batch_size=2, name="tiny2",
-        cache__prefetch_window=8, cache__staging_capacity=32, cache__eviction="fifo",
+        cache__fetch_chunk_rows=8, cache__hot_buffer_rows=32, cache__eviction="fifo",
         cache__fetch_path="in_jit", cache__storage="file", cache__storage_path=str(tmp_path))
     # its own knobs (file + in_jit: unsupported) run first, then pinned_host
     cfg_path, out = tmp_path / "tiny2.py", tmp_path / "tuned.py"
     tune.write_config(small, cfg_path)
     cmd = [sys.executable, str(ROOT / "tools" / "tune.py"), f"--config={cfg_path}",
-           f"--output={out}", "--prefetch_window=8", "--staging_capacity=2x",
+           f"--output={out}", "--fetch_chunk_rows=8", "--hot_buffer_rows=2x",
            "--eviction=fifo", "--fetch_path=in_jit", "--storage=file,pinned_host",
            "--num_requests=2",
            "--max_trials=1", "--repeats=2",
@@ -112,8 +112,8 @@ def test_cli_end_to_end(tmp_path):
     assert unsup["status"] == "unsupported" and "file" in unsup["message"]
     assert run["knobs"]["storage"] == "pinned_host"
     assert report["winner"]["knobs"] == run["knobs"] and report["output"] == str(out)
-    want = small.replace(cache__offload=True, cache__prefetch_window=8,
-                         cache__staging_capacity=32, cache__eviction="fifo",
+    want = small.replace(cache__offload=True, cache__fetch_chunk_rows=8,
+                         cache__hot_buffer_rows=32, cache__eviction="fifo",
                          cache__fetch_path="in_jit", cache__storage="pinned_host",
                          name="tiny2_tuned")
     assert isinstance(load_config(out), Config) and load_config(out) == want

@@ -1,10 +1,12 @@
-"""Prefill and decode over the on-device cache, plus sampling.
+"""Chunked prefill over the on-device cache, and the split-state helpers it shares:
+the final-hidden → logits head, the MTP draft step, and sampling.
 
 The model is split once (`nnx.split`) and its state passed to plain `jax.jit` functions
 that `nnx.merge` inside the trace. `nnx.jit` would walk the module graph in Python on
-every call (milliseconds for 61 layers); with split state, a decode step dispatches
-through jit's C++ fast path. The cache argument is donated, so the byte arrays update in
-place. A prefill chunk is the decode path with s = chunk: no [L, L] matrix is built.
+every call (milliseconds for 61 layers); with split state, a call dispatches through
+jit's C++ fast path. The cache argument is donated, so the byte arrays update in place.
+A prefill chunk is the model's decode path with s = chunk: no [L, L] matrix is built.
+The engine's decode step is `jlco.engine.steps`; this module only fills the cache.
 """
 
 from __future__ import annotations
@@ -27,16 +29,6 @@ def split(model: DeepseekV32):
 
 
 @partial(jax.jit, static_argnames=("impl",), donate_argnames=("cache",))
-def decode_step(graphdef, state, cache: DecodeCache, tokens: jax.Array, *, impl: str = "auto"):
-    """tokens [b, s] (s ≥ 1: the next token, plus MTP drafts) for every request →
-    (logits [b, s, V] f32, final-normed hidden [b, s, d], cache with lengths += s).
-    Requests may have different lengths; each token t sits at lengths[b] + t."""
-    model = nnx.merge(graphdef, state)
-    h, cache = model(tokens, cache, impl=impl)
-    return model.logits(h), h, cache
-
-
-@partial(jax.jit, static_argnames=("impl",), donate_argnames=("cache",))
 def _prefill_chunk(graphdef, state, cache, tokens, n_new, *, impl):
     """One ragged chunk: returns the hidden state of each request's last real token."""
     model = nnx.merge(graphdef, state)
@@ -54,7 +46,8 @@ def mtp_step(graphdef, state, cache, hidden, next_tokens, start, *, impl: str = 
 
 
 @jax.jit
-def _logits(graphdef, state, h):
+def final_logits(graphdef, state, h):
+    """Final-normed hidden states [..., d] → LM-head logits [..., V] f32."""
     return nnx.merge(graphdef, state).logits(h)
 
 
@@ -96,7 +89,7 @@ def prefill(model, cache: DecodeCache, tokens, prompt_lens=None, *, chunk: int,
         h, cache = _prefill_chunk(graphdef, state, cache, jnp.asarray(piece),
                                   jnp.asarray(n_new), impl=impl)
         last_h = h if last_h is None else jnp.where(jnp.asarray(n_new > 0)[:, None], h, last_h)
-    return _logits(graphdef, state, last_h), last_h, cache
+    return final_logits(graphdef, state, last_h), last_h, cache
 
 
 @jax.jit

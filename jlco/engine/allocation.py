@@ -1,0 +1,152 @@
+"""The engine's batch cache and what it costs: allocation (device cache, or host pool +
+device hot buffer when offloaded, split over data ranks under a mesh), the host page
+allocator, the host-memory guard, and the sizing queries the planner and `jlco.serve`
+ask (device bytes per batch, the largest batch for a device budget), all read off the
+same allocation so the plan and the engine cannot disagree.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jlco.config import Config
+from jlco.engine import host_driven
+from jlco.model import kv_cache
+from jlco.model.kv_cache import DecodeCache, cache_layers, init_cache
+from jlco.offload.latent import STAT_NAMES, OffloadLatent
+from jlco.offload.pages import PageAllocator, RankedPages
+from jlco.parallel import data as parallel_data
+from jlco.parallel import mesh as parallel_mesh
+
+
+def _chunk_rows(cfg: Config) -> int:
+    """In-jit fetch moves misses in chunks of this many rows (0 = one padded gather of
+    every possible miss); the prefetch window bounds it."""
+    return max(0, min(cfg.cache.fetch_chunk_rows, cfg.hot_buffer_rows))
+
+
+def host_pages(cfg: Config) -> PageAllocator | RankedPages | None:
+    """The host page allocator of an offloaded engine (None with offload off): enough
+    pages for every slot at engine.max_context_len; with mesh.data > 1 one pool per data
+    rank (`RankedPages`, rank-local page ids)."""
+    if not cfg.cache.offload:
+        return None
+    page = cfg.cache.page_size
+    pages_per_req = -(-cfg.engine.max_context_len // page)
+    ranks = cfg.mesh.data
+    if ranks > 1:
+        return RankedPages(ranks, cfg.engine.max_batch_size // ranks * pages_per_req, page)
+    return PageAllocator(cfg.engine.max_batch_size * pages_per_req, page)
+
+
+HOST_MEMORY_LIMIT = 0.95   # of physical RAM a host pool may take (vLLM's rule too)
+
+
+def physical_memory_bytes() -> int | None:
+    """This machine's RAM (None where the OS does not say)."""
+    import os
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_host_memory(cfg: Config, pool_bytes: int) -> None:
+    """Refuse a host pool in memory (not `storage="file"`) above HOST_MEMORY_LIMIT of the
+    machine's RAM: it would swap or be killed mid-run. A ValueError names the fields."""
+    ram = physical_memory_bytes()
+    if cfg.cache.storage == "file" or ram is None or pool_bytes <= HOST_MEMORY_LIMIT * ram:
+        return
+    raise ValueError(
+        f"the host pool needs {pool_bytes / 1e9:.1f} GB, above {HOST_MEMORY_LIMIT:.0%} of this "
+        f"machine's {ram / 1e9:.1f} GB of RAM: lower engine.max_batch_size "
+        f"({cfg.engine.max_batch_size}) or engine.max_context_len "
+        f"({cfg.engine.max_context_len}), or use cache.storage='file'")
+
+
+def allocate_cache(cfg: Config) -> tuple[DecodeCache, PageAllocator | None]:
+    """The engine's batch cache for `cfg.engine.max_batch_size` slots and, offloaded, its
+    host page allocator. Offloaded, the latent cache is a host pool per layer (in
+    `cfg.cache.storage` memory) behind a device hot buffer; `device_cache_bytes` counts
+    exactly this allocation. Under a mesh with data ranks every leaf is split over them
+    (`jlco.model.kv_cache.data_specs`), allocated in place by one jit."""
+    if parallel_data.data_size() > 1:
+        return _allocate_split(cfg)
+    return _allocate(cfg)
+
+
+def _allocate_split(cfg: Config) -> tuple[DecodeCache, PageAllocator | None]:
+    """`_allocate` with every leaf created in its data-rank shard (nothing whole first)."""
+    ranks = parallel_data.data_size()
+    if cfg.mesh.data != ranks:
+        raise ValueError(f"mesh.data={cfg.mesh.data} but the active mesh has {ranks} data "
+                         "ranks: build the engine under jax.set_mesh(make_mesh(cfg))")
+    parallel_mesh.check_batch(cfg.engine.max_batch_size, ranks)
+    pages = None
+
+    def build():
+        nonlocal pages
+        cache, pages = _allocate(cfg, host_memory=False)
+        return cache
+    shapes = jax.eval_shape(build)
+    mesh = parallel_mesh.active_mesh()
+    shardings = kv_cache.data_shardings(shapes, mesh, cfg.cache.storage)
+    return jax.jit(build, out_shardings=shardings)(), pages
+
+
+def _allocate(cfg: Config, host_memory: bool = True
+              ) -> tuple[DecodeCache, PageAllocator | None]:
+    pages = host_pages(cfg)
+    if pages is None:
+        return init_cache(cfg), None
+    check_host_memory(cfg, pages.num_pages * cfg.cache.page_size * cfg.row_bytes
+                      * cache_layers(cfg))
+    # Host-driven: the pool is host_driven's HostLatentPool, outside the jitted cache.
+    host_driven_path = host_driven.resolve_fetch_path(cfg) == "host_driven"
+    batch, page = cfg.engine.max_batch_size, cfg.cache.page_size
+    pages_per_req = pages.num_pages // batch
+    n_layers, cap, rb = cache_layers(cfg), cfg.hot_buffer_rows, cfg.row_bytes
+    if not host_driven_path and host_memory:
+        host = parallel_mesh.replicated(cfg.cache.storage)   # whole on every mesh device
+        zeros = jax.jit(lambda: jnp.zeros((pages.num_pages * page, rb), jnp.uint8),
+                        out_shardings=host)
+    elif not host_driven_path:   # traced by `_allocate_split`, which places it
+        def zeros():
+            return jnp.zeros((pages.num_pages * page, rb), jnp.uint8)
+    lat = OffloadLatent(
+        rows=jnp.zeros((n_layers, batch, cap, rb), jnp.uint8),
+        slot_pos=jnp.full((n_layers, batch, cap), -1, jnp.int32),
+        slot_stamp=jnp.full((n_layers, batch, cap), -1, jnp.int32),
+        host=() if host_driven_path else tuple(zeros() for _ in range(n_layers)),
+        page_table=jnp.full((batch, pages_per_req), -1, jnp.int32),
+        step=jnp.int32(0), stats=jnp.zeros((n_layers, len(STAT_NAMES)), jnp.int32),
+        policy=cfg.cache.eviction, page_size=page, chunk_rows=_chunk_rows(cfg))
+    return init_cache(cfg, latent=lat), pages
+
+
+def device_cache_bytes(cfg: Config, batch: int) -> int:
+    """Device bytes of the cache `allocate_cache` makes for `batch` slots, from its
+    abstract shapes (nothing is allocated, so real-model configs are cheap): every leaf
+    but the offloaded host pool (`OffloadLatent.host`) lives in device memory."""
+    # Whole-batch shapes (data ranks split the same bytes, and need not divide `batch`).
+    cfg = cfg.replace(engine__max_batch_size=batch, mesh__data=1)
+    shapes = jax.eval_shape(lambda: _allocate(cfg)[0])
+    host = shapes.latent.host if isinstance(shapes.latent, OffloadLatent) else ()
+    return _nbytes(shapes) - _nbytes(host)
+
+
+def _nbytes(tree) -> int:
+    return sum(x.size * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+
+
+def batch_for_budget(cfg: Config, device_bytes: float, *, other_bytes: float = 0.0,
+                     other_bytes_per_slot: float = 0.0) -> int:
+    """Largest batch whose engine cache fits in `device_bytes` beside `other_bytes`
+    (weights, runtime reserve) and `other_bytes_per_slot` (activations), by the engine's
+    own allocation: bytes per slot and batch-independent bytes (offload counters) from
+    `device_cache_bytes` at batch 1 and 2. Not capped by engine.max_batch_size."""
+    one, two = device_cache_bytes(cfg, 1), device_cache_bytes(cfg, 2)
+    per_slot, fixed = two - one, 2 * one - two
+    return max(0, int((device_bytes - other_bytes - fixed) // (per_slot + other_bytes_per_slot)))

@@ -1,0 +1,92 @@
+"""A request's prefill as the runner runs it: alone, on a one-request device cache, in
+pieces whose shapes depend on the prompt only (chunk shapes change float reduction order,
+and offload on must equal offload off, a served request the same request alone, bit for
+bit), with the last queries' top-k sets recorded to warm the hot buffer at admission.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jlco.config import Config
+from jlco.engine.scheduler import Request
+from jlco.model.kv_cache import DecodeCache, cache_layers, init_cache
+from jlco.util.buckets import pow2_bucket
+
+WARMUP_QUERIES = 32   # ESS: top-k of the last 32 prefill query positions
+MIN_PIECE = 16        # smallest prefill piece shape (fewer distinct compiled shapes)
+
+
+@dataclasses.dataclass(eq=False)
+class PrefillJob:
+    """A request's prefill in progress: its one-request cache and the prompt pieces
+    (lo, hi, chunk shape) still to run."""
+    req: Request
+    page_row: np.ndarray | None
+    cache: DecodeCache | None                 # the request's own [1, max_len] cache
+    tokens: np.ndarray                        # int32 [1, n]
+    pieces: list[tuple[int, int, int]]
+    done_pieces: int = 0
+    logits: jax.Array | None = None           # at the last prompt position so far
+    hidden: jax.Array | None = None           # its final hidden state [1, d]
+
+    @property
+    def finished(self) -> bool:
+        return self.done_pieces == len(self.pieces)
+
+    @property
+    def pending_cost(self) -> int:
+        """Padded prompt positions left to compute."""
+        return sum(c for _, _, c in self.pieces[self.done_pieces:])
+
+    @property
+    def warmup_width(self) -> int:
+        """Queries of the last piece (those whose top-k sets warm the hot buffer)."""
+        return self.pieces[-1][1] - self.pieces[-1][0]
+
+    def warmup_record(self) -> jax.Array | None:
+        """The recorded top-k of the last piece, oldest query first [L, bucket, k]
+        (`oldest_first`), or None when nothing was recorded."""
+        rec = self.cache.record
+        return None if rec is None else oldest_first(rec[:, 0], jnp.int32(self.warmup_width))
+
+
+def pieces(n: int, chunk: int, warmup: int) -> list[tuple[int, int, int]]:
+    """Prompt pieces (lo, hi, compiled width) of an n-token prompt. Each piece computes a
+    power-of-two bucket of its width (at most `chunk`): a short prompt does not pay for
+    a whole chunk, and the compiled shapes stay few. The last `warmup` queries run as
+    one piece (its bucket: the recorded top-k sets have the piece's shape)."""
+    out = [(lo, min(lo + chunk, n - warmup), pow2_bucket(min(chunk, n - warmup - lo), MIN_PIECE,
+                                                         chunk))
+           for lo in range(0, n - warmup, chunk)]
+    if warmup:
+        out.append((n - warmup, n, pow2_bucket(warmup, MIN_PIECE)))
+    return out
+
+
+def start(cfg: Config, req: Request, page_row, max_len: int, warmup_queries: int,
+          record: bool) -> PrefillJob:
+    """A job for `req.prompt` on a fresh one-request cache; with `record` the last
+    piece's top-k sets are kept (for the offload warm-up or a PD export)."""
+    n = len(req.prompt)
+    w = min(warmup_queries, n)
+    job_pieces = pieces(n, cfg.engine.prefill_chunk, w)
+    cache = init_cache(cfg, batch=1, max_len=max_len)
+    if w and record:
+        cache = dataclasses.replace(cache, record=jnp.full(
+            (cache_layers(cfg), 1, job_pieces[-1][2], cfg.model.index_topk), -1, jnp.int32))
+    return PrefillJob(req, page_row, cache, np.asarray([req.prompt], np.int32), job_pieces)
+
+
+@jax.jit
+def oldest_first(record, w):
+    """The recorded top-k of a last prefill piece [L, bucket, k] whose first w queries are
+    real: those w last (oldest first), the padding queries before them as -1 (no lookups),
+    so the warm-up stamps query j at step - w + j whatever the bucket."""
+    bucket = record.shape[1]
+    real = jnp.where((jnp.arange(bucket) < w)[None, :, None], record, -1)
+    return jnp.roll(real, bucket - w, axis=1)
