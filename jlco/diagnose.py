@@ -7,7 +7,7 @@ with numbers from its /metrics read over an interval.
 
 Each finding names the knob to turn (cache.hot_buffer_rows, cache.prefetch_threads,
 cache.fetch_chunk_rows, cache.eviction, cache.fetch_path, engine.max_batch_size, ...) and
-why; the thresholds are in jlco/server/ops_diagnose.py's docstring. --hardware (a
+why; the thresholds are in jlco/ops/diagnose.py's docstring. --hardware (a
 jlco/planning/hardware.py profile) puts the achieved H2D rate beside that chip's host
 link. With no traffic during the interval it says so; --probe_requests N sends a small
 streamed load of its own during the interval (one untimed request first, so compiles
@@ -48,7 +48,7 @@ def define_flags() -> None:
 
 def check_flags():
     """→ (url, link GB/s or None, hardware name or None, probe LoadSpec or None)."""
-    from jlco.server import loadgen
+    from jlco.ops import loadgen
     if FLAGS.url is None:
         raise ValueError("--url is required: the server to diagnose, http://HOST:PORT")
     url = loadgen.normalize_url(FLAGS.url)
@@ -83,7 +83,7 @@ def main(argv):
     pylog.getLogger("httpx").setLevel(pylog.WARNING)
     with cli.errors_exit(PROG, ValueError, OSError):
         url, link, hardware, probe = check_flags()
-    from jlco.server import loadgen, ops_diagnose
+    from jlco.ops import diagnose as ops_diagnose, loadgen
     with cli.interruptible(PROG):
         try:
             obs = asyncio.run(ops_diagnose.observe(url, FLAGS.interval_s, api_key=FLAGS.api_key,

@@ -22,8 +22,9 @@ memory (same tokens as without it). --mesh data=D,expert=E,tensor=T (fields left
 1; default: the config's `mesh` section) runs on a JAX mesh of D·E·T devices
 (`jlco.parallel`): the parameters are placed by their logical axes and the engine runs
 under the mesh, the routed experts split over E devices and the heads / MLP / vocabulary
-dimensions over T (same tokens as one device). Data-parallel attention (D > 1) is not
-implemented yet.
+dimensions over T (same tokens as one device); with D > 1 attention runs data-parallel,
+the batch slots, their caches and the host pool split over the D data ranks (--mesh
+rounds the batch up to a multiple of D).
 
 Several processes (hosts): --coordinator_address HOST:PORT --num_processes N
 --process_id I (or JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID;
@@ -315,17 +316,13 @@ def _report(engine, timing: dict) -> None:
 
 def _prepare():
     """Everything that can fail on bad input, cheapest first: (cfg, model, prompts)."""
-    from jlco.checkpoint import choice as choice_lib
     from jlco.config import load_config
+    from jlco.launch import load
     prompts = _prompts_from_flags()
     explicit = FLAGS.config is not None
-    base = load_config(FLAGS.config or choice_lib.TINY_CONFIG)
-    if FLAGS.checkpoint is not None:
-        choice = choice_lib.checkpoint_choice(FLAGS.checkpoint, FLAGS.dtype)
-        name = pathlib.Path(FLAGS.checkpoint).name or base.name
-    else:
-        choice = choice_lib.random_choice(base, FLAGS.dtype, FLAGS.seed)
-        name = base.name
+    base = load_config(FLAGS.config or load.TINY_CONFIG)
+    choice = load.choose_model(FLAGS.checkpoint, base, FLAGS.dtype, FLAGS.seed)
+    name = (FLAGS.checkpoint and pathlib.Path(FLAGS.checkpoint).name) or base.name
     ids = _tokenize(prompts, choice.tokenizer_path, choice.model.vocab_size)
     shape = engine_shape(choice.model, base.engine, [len(p) for p in ids],
                          FLAGS.max_new_tokens, explicit, choice.own_model)
@@ -335,22 +332,11 @@ def _prepare():
                 **({} if FLAGS.mesh is None else parse_mesh(FLAGS.mesh)))
     ranks = over.get("mesh__data", 1)      # data ranks split the slots evenly
     over["engine__max_batch_size"] = -(-over["engine__max_batch_size"] // ranks) * ranks
-    checked = base.replace(model=choice.model, **over)   # validate before loading any weight
-    mesh = _mesh(checked)
+    checked = base.replace(model=choice.model, name=name, **over)   # before any weight
+    mesh = load.checked_mesh(checked)
     _say(choice.banner)
-    shardings = None
-    if mesh is not None:     # a checkpoint loads straight into its shards
-        from jlco.parallel.mesh import param_sharding
-        shardings = param_sharding(mesh)
-    mcfg, model = choice_lib.load_weights(choice, seed=FLAGS.seed,
-                                          verify=FLAGS.verify_checkpoint,
-                                          num_draft_tokens=FLAGS.num_draft_tokens,
-                                          shardings=shardings)
-    cfg = base.replace(model=mcfg, name=name, **over)
-    if mesh is not None:
-        from jlco.parallel.mesh import check_mesh, shard_model
-        check_mesh(cfg)        # the checkpoint's model may differ from the config's
-        shard_model(model, mesh)
+    cfg, model = load.load_sharded(choice, checked, mesh, seed=FLAGS.seed,
+                                   verify=FLAGS.verify_checkpoint)
     _say(f"engine: {len(ids)} prompt(s), batch {cfg.engine.max_batch_size}, context "
          f"{cfg.engine.max_context_len}, offload {'on' if cfg.cache.offload else 'off'}"
          + ("" if mesh is None else f", mesh {dict(mesh.shape)}"))
@@ -362,16 +348,6 @@ def parse_mesh(text: str) -> dict:
     as every CLI reads --mesh (`jlco.planning.mesh`)."""
     from jlco.planning.mesh import mesh_overrides
     return mesh_overrides(text)
-
-
-def _mesh(cfg):
-    """The jax mesh of cfg.mesh (None for one device), checked against the model and
-    the devices before any weight is loaded."""
-    if cfg.mesh.num_devices == 1:
-        return None
-    from jlco.parallel.mesh import check_mesh, make_mesh
-    check_mesh(cfg)
-    return make_mesh(cfg)
 
 
 def main(argv):

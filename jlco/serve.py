@@ -59,7 +59,8 @@ def define_flags() -> None:
                        "no-offload engine needs at engine.max_batch_size)", lower_bound=0.0)
     flags.DEFINE_bool("warmup", True, "compile with one small request before ready")
     flags.DEFINE_string("mesh", None, "device mesh, e.g. expert=4 (fields left out are 1; "
-                        "default: the config's mesh section); data > 1 is not served yet")
+                        "default: the config's mesh section); data > 1: data-parallel "
+                        "attention, the batch slots split over the data ranks")
     distributed.define_flags()      # refused beyond one process (see main)
 
 
@@ -72,8 +73,8 @@ def _say(msg: str) -> None:
 
 def prepare():
     """Everything that can fail on bad input, before any weight: (cfg, choice, name)."""
-    from jlco.checkpoint import choice as choice_lib
     from jlco.config import apply_overrides, load_config
+    from jlco.launch import load
     base = apply_overrides(load_config(FLAGS.config), FLAGS.override)
     if FLAGS.mesh is not None:
         from jlco.planning.mesh import mesh_overrides
@@ -84,21 +85,15 @@ def prepare():
         base = base.replace(serve__host=FLAGS.host)
     if FLAGS.port is not None:
         base = base.replace(serve__port=FLAGS.port)
-    if FLAGS.checkpoint is not None:
-        choice = choice_lib.checkpoint_choice(FLAGS.checkpoint, FLAGS.dtype)
-        name = pathlib.Path(FLAGS.checkpoint).resolve().name
-    else:
-        choice = choice_lib.random_choice(base, FLAGS.dtype, FLAGS.seed)
-        name = f"jlco-random-{base.name}"
+    choice = load.choose_model(FLAGS.checkpoint, base, FLAGS.dtype, FLAGS.seed)
+    name = (f"jlco-random-{base.name}" if FLAGS.checkpoint is None
+            else pathlib.Path(FLAGS.checkpoint).resolve().name)
     mpe = choice.model.max_position_embeddings
     if base.engine.max_context_len > mpe:
         raise ValueError(f"engine.max_context_len={base.engine.max_context_len} is invalid: "
                          f"allowed <= the model's max_position_embeddings ({mpe})")
     cfg = base.replace(model=choice.model, name=base.name)   # validates the joint config
-    if cfg.mesh.num_devices > 1:
-        from jlco.parallel.mesh import check_mesh, make_mesh
-        check_mesh(cfg)
-        make_mesh(cfg)          # the device count must match, before any weight loads
+    load.checked_mesh(cfg)      # the device count must match, before any weight loads
     return cfg, choice, FLAGS.served_model_name or name
 
 
@@ -144,23 +139,16 @@ def build_engine(cfg, choice, state) -> None:
     """Load weights, build the engine, warm it up and hand it to `state` (ready)."""
     import jax
 
-    from jlco.checkpoint import choice as choice_lib
     from jlco.engine.core import Engine
+    from jlco.launch import load
     from jlco.server.loop import EngineLoop
     from jlco.server.text import TextCodec
     state.loading = "loading the model"
-    mesh = shardings = None
-    if cfg.mesh.num_devices > 1:
-        from jlco.parallel.mesh import check_mesh, make_mesh, param_sharding, shard_model
-        mesh = make_mesh(cfg)
-        shardings = param_sharding(mesh)    # a checkpoint loads straight into its shards
-    mcfg, model = choice_lib.load_weights(choice, seed=FLAGS.seed, verify=FLAGS.verify_checkpoint,
-                                          num_draft_tokens=cfg.engine.num_draft_tokens,
-                                          shardings=shardings)
-    cfg = cfg.replace(model=mcfg)
+    mesh = load.checked_mesh(cfg)
+    cfg, model = load.load_sharded(choice, cfg, mesh, seed=FLAGS.seed,
+                                   verify=FLAGS.verify_checkpoint)
+    mcfg = cfg.model
     if mesh is not None:
-        check_mesh(cfg)             # the checkpoint's model may differ from the config's
-        shard_model(model, mesh)
         _say(f"mesh: {dict(mesh.shape)} over {mesh.size} devices (routed experts split over "
              "'expert')")
     if choice.checkpoint is not None:

@@ -11,7 +11,7 @@ turn (`python -m jlco.serve ... --port 0 --nooffload`, then `--offload`; stopped
 SIGTERM), each first at the config's batch for the correctness check, then (with
 --batch_from_budget, the default) restarted at the largest batch its banner's device
 budget allows for the load, so both are compared at one device budget. What each part
-checks: jlco/server/ops_validate.py.
+checks: jlco/ops/validate.py.
 
 index_topk (for the 'topk' lengths): --topk, else the served model's (from --config /
 --checkpoint), else /v1/models' `index_topk` when the server exposes it.
@@ -87,7 +87,7 @@ def _positive(*names: str, low: float = 1) -> None:
 
 def check_flags():
     """Every flag checked before a server starts → (ValidateSpec, sides, out dir)."""
-    from jlco.server import loadgen, ops_validate
+    from jlco.ops import loadgen, validate as ops_validate
     _positive("num_clients", "num_requests", "prompt_len", "max_tokens", "check_max_tokens",
               "topk")
     _positive("check_limit_cap", "seed", "min_throughput_ratio", low=0)
@@ -144,20 +144,18 @@ def check_flags():
 def served_topk() -> int:
     """index_topk of the model the started servers will serve (a config with a model too
     big for random weights serves tiny's shape; a checkpoint its own)."""
-    from jlco.checkpoint import choice as choice_lib
     from jlco.config import apply_overrides, load_config
-    from jlco.server.loadgen import resolve_config
+    from jlco.launch.load import choose_model
+    from jlco.ops.loadgen import resolve_config
     path = resolve_config(FLAGS.config) if FLAGS.config else _ROOT / "configs" / "128k.py"
     if not path.is_file():
         raise ValueError(f"--config={FLAGS.config}: no such file")
     cfg = apply_overrides(load_config(path), FLAGS.override)
-    if FLAGS.checkpoint is not None:
-        return choice_lib.checkpoint_choice(FLAGS.checkpoint, None).model.index_topk
-    return choice_lib.random_choice(cfg, None, 0).model.index_topk
+    return choose_model(FLAGS.checkpoint, cfg, None, 0).model.index_topk
 
 
 def _args_for(offload: bool):
-    from jlco.server import loadgen
+    from jlco.ops import loadgen
 
     def args(batch=None, budget_gb=None):
         return loadgen.serve_args(config=FLAGS.config, checkpoint=FLAGS.checkpoint,
@@ -174,7 +172,7 @@ def main(argv):
     pylog.getLogger("httpx").setLevel(pylog.WARNING)
     with cli.errors_exit(PROG, ValueError, OSError):
         spec, sides, out = check_flags()
-    from jlco.server import loadgen, ops_validate
+    from jlco.ops import loadgen, validate as ops_validate
     t0 = time.perf_counter()
     with cli.interruptible(PROG):
         try:

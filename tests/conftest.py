@@ -1,8 +1,8 @@
-"""Fixtures of the engine tests' shared workload (tests/engine_workload.py). A test module
+"""Fixtures of the engine tests' shared workload (tests/support/engine_workload.py). A test module
 that defines its own `model` or `prompts` fixture overrides these."""
 
 import pytest
-from engine_workload import make_model, make_prompts
+from tests.support.engine_workload import make_model, make_prompts
 
 
 @pytest.fixture(scope="module")

@@ -46,28 +46,23 @@ import platform
 import sys
 import time
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags, logging
+from flax import nnx
+from tqdm import tqdm
+
+from jlco.config import Config, load_config
+from jlco.engine import synthetic
+from jlco.engine.core import Engine
+from jlco.model.decoder import DeepseekV32
+from jlco.planning import memory as plan
+from jlco.planning import roofline
+from jlco.planning.hardware import HARDWARE
+from jlco.util import atomic, cli, compile_cache
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
-try:
-    import jlco  # noqa: F401
-except ImportError:   # run from a checkout that is not pip-installed
-    sys.path.insert(0, str(REPO))
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from absl import app, flags, logging  # noqa: E402
-from flax import nnx  # noqa: E402
-from tqdm import tqdm  # noqa: E402
-
-from jlco.config import Config, load_config  # noqa: E402
-from jlco.engine import synthetic  # noqa: E402
-from jlco.engine.core import Engine  # noqa: E402
-from jlco.model.decoder import DeepseekV32  # noqa: E402
-from jlco.planning import memory as plan  # noqa: E402
-from jlco.planning import roofline  # noqa: E402
-from jlco.planning.hardware import HARDWARE  # noqa: E402
-from jlco.util import atomic, cli, compile_cache  # noqa: E402
-
 PROG = "bench_decode"
 FLAGS = flags.FLAGS
 

@@ -28,35 +28,29 @@ from __future__ import annotations
 import dataclasses
 import functools
 import pathlib
-import sys
 import time
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
-try:
-    import jlco  # noqa: F401
-except ImportError:   # run from a checkout that is not pip-installed
-    sys.path.insert(0, str(REPO))
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags, logging
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from absl import app, flags, logging  # noqa: E402
-
-from jlco.config import CacheConfig  # noqa: E402
-from jlco.offload.host_fetch import HostFetcher, miss_list  # noqa: E402
-from jlco.offload.host_pool import HostLatentPool  # noqa: E402
-from jlco.offload.hot_buffer import resolve  # noqa: E402
-from jlco.offload.latent import (  # noqa: E402
+from jlco.config import CacheConfig
+from jlco.offload.host_fetch import HostFetcher, miss_list
+from jlco.offload.host_pool import HostLatentPool
+from jlco.offload.hot_buffer import resolve
+from jlco.offload.latent import (
     STAT_MOVED,
     STAT_NAMES,
     OffloadLatent,
     latent_for_attention,
     lookup_bound,
 )
-from jlco.offload.pages import PageAllocator  # noqa: E402
-from jlco.planning import roofline  # noqa: E402
-from jlco.util import atomic, cli  # noqa: E402
+from jlco.offload.pages import PageAllocator
+from jlco.planning import roofline
+from jlco.util import atomic, cli
 
+REPO = pathlib.Path(__file__).resolve().parents[1]
 PROG = "bench_fetch"
 FLAGS = flags.FLAGS
 

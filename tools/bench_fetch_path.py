@@ -14,25 +14,19 @@ path's step time comes with two ratios: `roofline_fraction` (the step's roofline
 from __future__ import annotations
 
 import pathlib
-import sys
+
+import jax
+import numpy as np
+from absl import app, flags, logging
+from flax import nnx
+
+from jlco.config import load_config
+from jlco.engine.core import Engine
+from jlco.model.decoder import DeepseekV32
+from jlco.planning import roofline
+from jlco.util import atomic, cli, compile_cache
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-try:
-    import jlco  # noqa: F401
-except ImportError:   # run from a checkout that is not pip-installed
-    sys.path.insert(0, str(REPO))
-
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-from absl import app, flags, logging  # noqa: E402
-from flax import nnx  # noqa: E402
-
-from jlco.config import load_config  # noqa: E402
-from jlco.engine.core import Engine  # noqa: E402
-from jlco.model.decoder import DeepseekV32  # noqa: E402
-from jlco.planning import roofline  # noqa: E402
-from jlco.util import atomic, cli, compile_cache  # noqa: E402
-
 PROG = "bench_fetch_path"
 FLAGS = flags.FLAGS
 

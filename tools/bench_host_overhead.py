@@ -24,11 +24,9 @@ import time
 
 from absl import app, flags, logging
 
+from jlco.util import cli, compile_cache
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from jlco.util import cli, compile_cache  # noqa: E402
-
 FLAGS = flags.FLAGS
 PROG = "bench_host_overhead"
 
@@ -90,8 +88,9 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)
     compile_cache.enable()
     with cli.errors_exit(PROG, ValueError, OSError):
-        from jlco.checkpoint import choice as choice_lib
+        from jlco.checkpoint.choice import load_weights
         from jlco.config import load_config
+        from jlco.launch.load import random_choice
         try:
             batches = [int(b) for b in FLAGS.batches]
         except ValueError:
@@ -101,9 +100,9 @@ def main(argv):
             raise ValueError(f"--batches={','.join(FLAGS.batches)!r} is invalid: allowed "
                              "comma-separated integers >= 1")
         base = load_config(FLAGS.config).replace(cache__offload=FLAGS.offload)
-        choice = choice_lib.random_choice(base, None, 0)
+        choice = random_choice(base, None, 0)
         cfg = base.replace(model=choice.model)
-        _, model = choice_lib.load_weights(choice)
+        _, model = load_weights(choice)
     import jax
     rows = []
     for b in batches:

@@ -29,23 +29,18 @@ import statistics
 import sys
 import time
 
+import jax
+import jax.numpy as jnp
+from absl import app, flags, logging
+from tqdm import tqdm
+
+from jlco.pallas import dispatch
+from jlco.pallas import indexer as ix
+from jlco.pallas.fp8_rows import fp8_row_bytes, quantize_kv_rows
+from jlco.planning import roofline
+from jlco.util import atomic, cli
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
-try:
-    import jlco  # noqa: F401
-except ImportError:   # run from a checkout that is not pip-installed
-    sys.path.insert(0, str(REPO))
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-from absl import app, flags, logging  # noqa: E402
-from tqdm import tqdm  # noqa: E402
-
-from jlco.pallas import dispatch  # noqa: E402
-from jlco.pallas import indexer as ix  # noqa: E402
-from jlco.pallas.fp8_rows import fp8_row_bytes, quantize_kv_rows  # noqa: E402
-from jlco.planning import roofline  # noqa: E402
-from jlco.util import atomic, cli  # noqa: E402
-
 PROG = "bench_kernels"
 
 FLAGS = flags.FLAGS

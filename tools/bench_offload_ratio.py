@@ -22,11 +22,9 @@ import time
 
 from absl import app, flags, logging
 
+from jlco.util import cli, compile_cache
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from jlco.util import cli, compile_cache  # noqa: E402
-
 FLAGS = flags.FLAGS
 PROG = "bench_offload_ratio"
 
@@ -95,17 +93,18 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)
     compile_cache.enable()
     with cli.errors_exit(PROG, ValueError, OSError):
-        from jlco.checkpoint import choice as choice_lib
+        from jlco.checkpoint.choice import load_weights
         from jlco.config import load_config
+        from jlco.launch.load import random_choice
         base = load_config(FLAGS.config)
         over = dict(engine__max_batch_size=FLAGS.batch,
                     engine__max_context_len=FLAGS.prompt_len + FLAGS.steps + 8)
         if FLAGS.staging:
             over["cache__hot_buffer_rows"] = FLAGS.staging
         base = base.replace(**over)
-        choice = choice_lib.random_choice(base, None, 0)
+        choice = random_choice(base, None, 0)
         cfg = base.replace(model=choice.model)
-        _, model = choice_lib.load_weights(choice)
+        _, model = load_weights(choice)
     import jax
     r = measure(cfg, model)
     out = pathlib.Path(FLAGS.out or ROOT / "out" / "bench_offload_ratio")

@@ -43,7 +43,7 @@ bench_serve.png and each started server's stderr (server_offload_on.log, ...); t
 goes to stdout (--json: the JSON on stdout, the table on stderr). A local server shares
 the machine with the client: on a small CPU box the client's event loop competes with
 the engine for cores. The client, timing and server-starting code is
-jlco/server/loadgen.py (shared with `python -m jlco.validate` and `jlco.diagnose`).
+jlco/ops/loadgen.py (shared with `python -m jlco.validate` and `jlco.diagnose`).
 """
 
 from __future__ import annotations
@@ -55,17 +55,11 @@ import pathlib
 import sys
 import time
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
-try:
-    import jlco  # noqa: F401
-except ImportError:   # run from a checkout that is not pip-installed
-    sys.path.insert(0, str(REPO))
+import numpy as np
+from absl import flags, logging
 
-import numpy as np  # noqa: E402
-from absl import flags, logging  # noqa: E402
-
-from jlco.server import loadgen  # noqa: E402
-from jlco.server.loadgen import (  # noqa: E402 - Result etc. are this tool's API too
+from jlco.ops import loadgen
+from jlco.ops.loadgen import (  # Result etc. are this tool's API too
     LoadSpec,
     Result,
     hist_delta,
@@ -77,8 +71,9 @@ from jlco.server.loadgen import (  # noqa: E402 - Result etc. are this tool's AP
     stream_one,
     wait_ready,
 )
-from jlco.util import atomic, cli  # noqa: E402
+from jlco.util import atomic, cli
 
+REPO = pathlib.Path(__file__).resolve().parents[1]
 PROG = "bench_serve"
 FLAGS = flags.FLAGS
 SCENARIO_MAX_TOKENS = {"load": 32}   # long_prompt: what fits the context
@@ -178,7 +173,7 @@ def check_flags() -> pathlib.Path:
     return out
 
 
-# ---- client glue (the measuring code is jlco/server/loadgen.py) --------------------------
+# ---- client glue (the measuring code is jlco/ops/loadgen.py) --------------------------
 
 def server_args(offload: bool | None, batch: int | None = None,
                 budget_gb: str | None = None) -> list[str]:

@@ -29,22 +29,19 @@ Writes vs_transformers.json and vs_transformers.png (prefill and decode bars) to
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import pathlib
 import platform
-import sys
 import tempfile
 import time
 
 import numpy as np
 from absl import flags
 
+from jlco.util import cli
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
-
-from jlco.util import cli  # noqa: E402
-
 PROG = "bench_vs_transformers"
 FLAGS = flags.FLAGS
 
@@ -182,15 +179,23 @@ def plot(out: dict, path) -> None:
     plt.close(fig)
 
 
+def _hf_reference():
+    """tests/support/hf_reference.py, loaded from its file: the transformers reference
+    model lives with the tests, which are no installed package."""
+    path = ROOT / "tests" / "support" / "hf_reference.py"
+    spec = importlib.util.spec_from_file_location("hf_reference", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def main(argv) -> None:
     if len(argv) > 1:
         cli.fail(PROG, f"unexpected arguments: {argv[1:]}")
-    from hf_reference import build_hf_model
-
     from jlco.config import load_config
     base = load_config(ROOT / FLAGS.config)
     prompts = prompts_for(base.model.vocab_size)
-    hf_model = build_hf_model(base.model)
+    hf_model = _hf_reference().build_hf_model(base.model)
     with tempfile.TemporaryDirectory() as d:
         hf_model.save_pretrained(d)
         ours = jlco_side(d, prompts)

@@ -23,7 +23,6 @@ import os
 import pathlib
 import re
 import shutil
-import sys
 import time
 
 import jax
@@ -31,16 +30,14 @@ import numpy as np
 from absl import app, flags
 from flax import nnx
 
+from jlco.config import load_config
+from jlco.engine import synthetic
+from jlco.engine.core import Engine
+from jlco.engine.inputs import StepInputs
+from jlco.model.decoder import DeepseekV32
+from jlco.model.kv_cache import scan_bucket
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from jlco.config import load_config  # noqa: E402
-from jlco.engine import synthetic  # noqa: E402
-from jlco.engine.core import Engine  # noqa: E402
-from jlco.engine.inputs import StepInputs  # noqa: E402
-from jlco.model.decoder import DeepseekV32  # noqa: E402
-from jlco.model.kv_cache import scan_bucket  # noqa: E402
-
 FLAGS = flags.FLAGS
 # Offload's own work first (it runs inside the mla scope): the miss fetch, the hot-buffer
 # lookup around it, and writing new rows to the host pool and hot buffer.

@@ -23,7 +23,7 @@ from jlco.parallel import mesh as parallel_mesh
 
 def _chunk_rows(cfg: Config) -> int:
     """In-jit fetch moves misses in chunks of this many rows (0 = one padded gather of
-    every possible miss); the prefetch window bounds it."""
+    every possible miss); cache.fetch_chunk_rows bounds it."""
     return max(0, min(cfg.cache.fetch_chunk_rows, cfg.hot_buffer_rows))
 
 

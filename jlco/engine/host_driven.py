@@ -51,7 +51,7 @@ from jlco.config import Config
 from jlco.engine import steps as engine_steps
 from jlco.model import kv_cache
 from jlco.model.kv_cache import DecodeCache, cache_layers
-from jlco.offload.host_fetch import HostFetcher
+from jlco.offload.host_fetch import HostFetcher, miss_list
 from jlco.engine.inputs import StepInputs
 from jlco.engine.sampling import sample
 from jlco.offload.host_pool import HostLatentPool, host_row_ids
@@ -143,10 +143,8 @@ def _select(spec, leaves, cache: DecodeCache, layer, b0, iq, iw, kernel_lengths,
         cache = dataclasses.replace(cache, record=rec.at[layer].set(
             jax.lax.dynamic_update_slice_in_dim(rec[layer], topk, b0, 0)))
     lat, res = resolve_selection(cache.latent, layer, topk, cache.scan_len, b0)
-    cap = lat.rows.shape[2]
-    slot0 = (b0 + jnp.arange(nb, dtype=jnp.int32))[:, None] * cap
-    dest = jnp.where(res.victim_slot >= 0, slot0 + res.victim_slot, -1)
-    miss_ids = host_row_ids(_slice(lat.page_table, b0, nb), res.miss_pos, lat.page_size)
+    miss_ids, dest = miss_list(res, _slice(lat.page_table, b0, nb), lat.page_size,
+                               lat.rows.shape[2], b0)
     return dataclasses.replace(cache, latent=lat), res.slot_ids, miss_ids, dest
 
 

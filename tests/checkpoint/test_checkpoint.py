@@ -29,7 +29,7 @@ from jlco.checkpoint.load import (
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 from safetensors.torch import load_file as torch_load_file  # noqa: E402
-from checkpoint_support import fp8_tool
+from tests.support.checkpoint import fp8_tool
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 32.0,

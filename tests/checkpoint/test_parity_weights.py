@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from split_steps import decode_step
+from tests.support.split_steps import decode_step
 
 from jlco.checkpoint.hf_names import hf_tensor_names, model_from_hf
 from jlco.config import load_config

@@ -2,13 +2,8 @@
 cache on, the second build reads the arrays back, bit for bit the eagerly built model
 (float32 and bfloat16); with the cache off nothing is written."""
 
-import pathlib
-import sys
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "cli"))
-from cli_support import run  # noqa: E402
-
-from jlco.util import compile_cache  # noqa: E402
+from jlco.util import compile_cache
+from tests.support.cli import run
 
 CODE = """
 import dataclasses, sys

@@ -15,7 +15,7 @@ import textwrap
 import chex
 import numpy as np
 import pytest
-from checkpoint_support import fp8_tool
+from tests.support.checkpoint import fp8_tool
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

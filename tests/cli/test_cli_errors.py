@@ -11,7 +11,7 @@ import shutil
 
 import numpy as np
 import pytest
-from cli_support import MPE, assert_error, make_hf_checkpoint, run
+from tests.support.cli import MPE, assert_error, make_hf_checkpoint, run
 
 from jlco.checkpoint import safetensors_io as st
 

@@ -19,7 +19,7 @@ import sys
 
 import numpy as np
 import pytest
-from cli_support import make_hf_checkpoint, run
+from tests.support.cli import make_hf_checkpoint, run
 
 torch = pytest.importorskip("torch")
 tokenizers = pytest.importorskip("tokenizers")

@@ -11,7 +11,7 @@ import pathlib
 import warnings
 
 import pytest
-from cli_support import ROOT, run
+from tests.support.cli import ROOT, run
 
 from jlco.config import (
     RENAMED,
@@ -90,7 +90,7 @@ def test_tune_flags_new_names_in_help_old_names_accepted():
 
 
 @pytest.mark.parametrize("doc", ["README.md", "tools/monitoring/README.md",
-                                 "jlco/server/ops_diagnose.py"])
+                                 "jlco/ops/diagnose.py"])
 def test_docs_name_the_new_knobs(doc):
     """Docs name the knobs by their new names (README also lists the old spellings
     once, as still accepted)."""

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from cli_support import ROOT
+from tests.support.cli import ROOT
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])

@@ -10,7 +10,7 @@ import os
 import stat
 
 import pytest
-from cli_support import run
+from tests.support.cli import run
 
 from jlco.util import atomic, cli, compile_cache
 

@@ -6,7 +6,7 @@ admission warm-up still fetches its top-k rows."""
 from __future__ import annotations
 
 import pytest
-from engine_workload import BASE
+from tests.support.engine_workload import BASE
 
 from jlco.engine.core import Engine
 

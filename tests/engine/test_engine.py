@@ -6,8 +6,8 @@ equal an independent replay of its own top-k trace."""
 
 import numpy as np
 import pytest
-from engine_workload import BASE, assert_forward_equal, PROMPT_LENS
-from engine_workload import run_workload as _run
+from tests.support.engine_workload import BASE, assert_forward_equal, PROMPT_LENS
+from tests.support.engine_workload import run_workload as _run
 
 from jlco.config import ConfigError
 from jlco.engine.core import Engine, RequestError

@@ -7,8 +7,8 @@ resolution sequence). Workload as in test_engine.py."""
 import os
 
 import pytest
-from engine_workload import BASE, assert_forward_equal
-from engine_workload import run_workload as _run
+from tests.support.engine_workload import BASE, assert_forward_equal
+from tests.support.engine_workload import run_workload as _run
 
 from jlco.engine import host_driven as engine_host
 from jlco.engine.core import Engine

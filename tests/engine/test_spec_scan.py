@@ -6,7 +6,7 @@ of each slot's length (`ModelRunner.slot_len`, what picks the bucket) stays equa
 cache's lengths after every step."""
 
 import numpy as np
-from engine_workload import BASE, NEW_TOKENS, run_workload
+from tests.support.engine_workload import BASE, NEW_TOKENS, run_workload
 
 from jlco.engine.core import Engine
 from jlco.engine.speculative import ListDrafter
@@ -25,19 +25,19 @@ def test_spec_steps_scan_a_bucket_and_match_greedy(model, prompts):
     scans, mirrors = [], []
     eng = Engine(cfg, model, drafter=ListDrafter(half_right))
     run, spec = eng.runner, eng.runner.spec
-    jitted, step = spec._jit, spec.step
+    jitted, dispatch = spec._jit, run.dispatch
 
     def watched_jit(graphdef, state, cache, *args):
         scans.append(cache.scan_len)
         return jitted(graphdef, state, cache, *args)
 
-    def watched_step(running):
-        out = step(running)
+    def watched_dispatch(running):
+        out = dispatch(running)
         lengths = np.asarray(run.cache.lengths)
         mirrors.append([(int(run.slot_len[r.slot]), int(lengths[r.slot])) for r in running])
         return out
 
-    spec._jit, spec.step = watched_jit, watched_step
+    spec._jit, run.dispatch = watched_jit, watched_dispatch
     reqs = [eng.submit(p, n) for p, n in zip(prompts, NEW_TOKENS)]
     eng.run()
     assert [r.tokens for r in reqs] == truth

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from split_steps import decode_step
+from tests.support.split_steps import decode_step
 
 from jlco.config import ConfigError, load_config
 from jlco.engine.core import Engine

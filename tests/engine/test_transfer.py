@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from engine_workload import BASE
+from tests.support.engine_workload import BASE
 
 from jlco.engine.core import Engine
 from jlco.engine.scheduler import RequestError

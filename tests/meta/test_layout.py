@@ -32,15 +32,17 @@ ALLOWED = {
     "server": {"config", "engine", "model", "util"},
     # operators' HTTP clients: they talk to a server, never load a model
     "ops": {"config", "util"},
+    # the load sequence generate and serve share: model choice, mesh, weights
+    "launch": {"checkpoint", "config", "parallel", "planning"},
     # entry points (`python -m jlco.X`)
     "convert": {"checkpoint", "config", "util"},
     "diagnose": {"ops", "planning", "util"},
-    "generate": {"checkpoint", "config", "engine", "parallel", "planning", "util"},
+    "generate": {"config", "engine", "launch", "parallel", "planning", "util"},
     "plan": {"config", "planning", "util"},
-    "serve": {"checkpoint", "config", "engine", "model", "parallel", "planning", "server",
+    "serve": {"config", "engine", "launch", "model", "parallel", "planning", "server",
               "util"},
     "sim": {"config", "planning", "util"},
-    "validate": {"checkpoint", "config", "ops", "util"},
+    "validate": {"config", "launch", "ops", "util"},
 }
 
 

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from split_steps import decode_step
+from tests.support.split_steps import decode_step
 
 from jlco.config import load_config
 from jlco.model import fp8_emul, kv_cache, prefill

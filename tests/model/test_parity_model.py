@@ -24,8 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from hf_reference import build_hf_model, hf_tensors, t2n
-from split_steps import decode_step
+from tests.support.hf_reference import build_hf_model, hf_tensors, t2n
+from tests.support.split_steps import decode_step
 
 from jlco.checkpoint.hf_names import model_from_hf
 from jlco.config import load_config

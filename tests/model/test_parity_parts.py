@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from hf_reference import build_hf_model, capture, hf_tensors, t2n
+from tests.support.hf_reference import build_hf_model, capture, hf_tensors, t2n
 from transformers.models.deepseek_v32 import modeling_deepseek_v32 as hf
 
 from jlco.checkpoint.hf_names import model_from_hf

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from engine_workload import BASE
+from tests.support.engine_workload import BASE
 
 from jlco.engine.steps import install
 from jlco.model.kv_cache import cache_layers, init_cache

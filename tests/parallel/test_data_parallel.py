@@ -93,7 +93,7 @@ _SCRIPT = textwrap.dedent("""
     import jax
     import numpy as np
     from jax.sharding import PartitionSpec
-    from engine_workload import BASE, make_model, make_prompts
+    from tests.support.engine_workload import BASE, make_model, make_prompts
     from jlco.engine.core import Engine
     from jlco.parallel.mesh import check_mesh, make_mesh, shard_model
 
@@ -157,7 +157,7 @@ _SCRIPT = textwrap.dedent("""
 
 def test_engine_with_data_parallel_attention_equals_one_device():
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
-           "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT / "tests")}
+           "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
     r = subprocess.run([sys.executable, "-c", _SCRIPT], cwd=ROOT, env=env, capture_output=True,
                        text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-4000:]

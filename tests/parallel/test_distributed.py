@@ -187,8 +187,7 @@ def _generate_args(prompt: list[int], source: list[str]) -> list[str]:
 
 
 def _six_expert_checkpoint(tmp_path) -> list[str]:
-    sys.path.insert(0, str(ROOT / "tests" / "cli"))
-    from cli_support import make_hf_checkpoint
+    from tests.support.cli import make_hf_checkpoint
     make_hf_checkpoint(tmp_path / "six", n_routed_experts=6, n_group=2, topk_group=1,
                        num_experts_per_tok=3)
     return ["--checkpoint", str(tmp_path / "six")]

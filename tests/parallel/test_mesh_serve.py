@@ -13,9 +13,9 @@ import sys
 import httpx
 import pytest
 
+from tests.support.server import ServerProcess
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tests" / "server"))
-from server_support import ServerProcess  # noqa: E402
 
 FOUR = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
 PROMPTS = [[(7 * i + 3 * j) % 250 for j in range(20 + 15 * i)] for i in range(4)]
@@ -90,8 +90,7 @@ def test_hf_checkpoint_with_six_experts_loads_sharded_and_matches_one_device(tmp
     """A transformers-made checkpoint with 6 routed experts (not a power of two), loaded
     straight into its shards on an expert=2 mesh: the tokens of one device, log-probs
     within 1e-5 (the mesh reorders some f32 sums: about one ulp each)."""
-    sys.path.insert(0, str(ROOT / "tests" / "cli"))
-    from cli_support import make_hf_checkpoint
+    from tests.support.cli import make_hf_checkpoint
     ckpt = tmp_path / "six"
     make_hf_checkpoint(ckpt, n_routed_experts=6, n_group=2, topk_group=1,
                        num_experts_per_tok=3)
@@ -106,8 +105,7 @@ def test_hf_checkpoint_with_six_experts_loads_sharded_and_matches_one_device(tmp
 def test_hf_checkpoint_with_data_parallel_attention_matches_one_device(tmp_path):
     """The same 6-expert transformers checkpoint on data=2 x expert=2 (4 devices): the
     request on one data rank, its experts split over two devices, one-device tokens."""
-    sys.path.insert(0, str(ROOT / "tests" / "cli"))
-    from cli_support import make_hf_checkpoint
+    from tests.support.cli import make_hf_checkpoint
     ckpt = tmp_path / "six"
     make_hf_checkpoint(ckpt, n_routed_experts=6, n_group=2, topk_group=1,
                        num_experts_per_tok=3)

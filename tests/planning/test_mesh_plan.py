@@ -14,10 +14,9 @@ from jlco.planning import memory, mtp, params, trace
 from jlco.planning import throughput as sim
 from jlco.planning.hardware import get_hardware
 from jlco.planning.mesh import MeshShape, host_layout, parse_mesh
+from tests.support.cli import assert_error
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tests" / "cli"))
-from cli_support import assert_error  # noqa: E402
 
 V32 = load_config(ROOT / "configs" / "deepseek_v32.py")
 H200 = get_hardware("h200")

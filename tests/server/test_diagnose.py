@@ -12,10 +12,9 @@ import subprocess
 import sys
 
 import pytest
-from server_support import ROOT, TINY_OFFLOAD, ServerProcess
 
-sys.path.insert(0, str(ROOT / "tests" / "cli"))
-from cli_support import assert_error  # noqa: E402
+from tests.support.cli import assert_error
+from tests.support.server import ROOT, TINY_OFFLOAD, ServerProcess
 
 STARVING = ["cache.storage=file", "cache.prefetch_threads=1",
             "cache.hot_buffer_rows=32"]     # index_topk x (1 + 0 drafts): the minimum
@@ -94,7 +93,7 @@ def test_healthy_server_does_not_blame_the_hot_buffer(tmp_path_factory):
 
 
 def test_quantile_and_findings_on_made_up_numbers():
-    from jlco.server.ops_diagnose import fetch_cause, hist_quantile
+    from jlco.ops.diagnose import fetch_cause, hist_quantile
     b0 = [(0.01, 0.0), (0.02, 0.0), (float("inf"), 0.0)]
     b1 = [(0.01, 50.0), (0.02, 100.0), (float("inf"), 100.0)]
     assert hist_quantile(b0, b1, 0.5) == pytest.approx(0.01)

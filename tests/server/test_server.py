@@ -15,7 +15,7 @@ import time
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from server_support import ROOT, TINY_OFFLOAD, ServerProcess
+from tests.support.server import ROOT, TINY_OFFLOAD, ServerProcess
 
 TIMEOUT = httpx.Timeout(300.0)
 PROMPT_IDS = [(5 * i + 3) % 250 for i in range(80)]   # longer than one 64-token chunk

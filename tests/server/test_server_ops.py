@@ -7,15 +7,13 @@ from __future__ import annotations
 import asyncio
 import json
 import pathlib
-import sys
 import time
 
 import httpx
 import pytest
-from server_support import ROOT, TINY_OFFLOAD, ServerProcess
 
-sys.path.insert(0, str(ROOT / "tests" / "cli"))
-from cli_support import make_hf_checkpoint  # noqa: E402
+from tests.support.cli import make_hf_checkpoint
+from tests.support.server import ROOT, TINY_OFFLOAD, ServerProcess
 
 KEY = "s3cret"
 AUTH = {"Authorization": f"Bearer {KEY}"}

@@ -11,10 +11,9 @@ import subprocess
 import sys
 
 import pytest
-from server_support import ROOT, TINY_OFFLOAD, ServerProcess
 
-sys.path.insert(0, str(ROOT / "tests" / "cli"))
-from cli_support import assert_error  # noqa: E402
+from tests.support.cli import assert_error
+from tests.support.server import ROOT, TINY_OFFLOAD, ServerProcess
 
 SMALL = ["--num_clients=2", "--num_requests=4", "--prompt_len=40", "--max_tokens=8",
          "--check_max_tokens=6", "--check_limit_cap=200", "--scrape_interval_s=0.2"]
@@ -129,8 +128,8 @@ def test_bad_input_is_one_line(args, needle, tmp_path):
 def test_stability_judge_on_made_up_scrapes():
     """A scrape whose hits + misses miss its lookups, and pages still leaked at the end,
     both fail; slopes are least squares over the readings."""
-    from jlco.server.loadgen import Scrape
-    from jlco.server.ops_validate import stability
+    from jlco.ops.loadgen import Scrape
+    from jlco.ops.validate import stability
 
     def scrape(t, hits, leaked, rss):
         text = (f'jlco_cache_lookups_total{{layer="0"}} 10\njlco_cache_hits_total{{layer="0"}} '

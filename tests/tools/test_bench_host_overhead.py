@@ -2,11 +2,8 @@
 host time, host share and roofline ratio; bad flags are one line."""
 
 import json
-import pathlib
-import sys
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "cli"))
-from cli_support import ROOT, assert_error, run  # noqa: E402
+from tests.support.cli import ROOT, assert_error, run
 
 
 def test_reports_host_share_and_roofline(tmp_path):

@@ -3,12 +3,9 @@ same tokens with their steps interleaved, the ratios follow from the step times,
 hot buffer really misses (prompts longer than it); bad flags are one line."""
 
 import json
-import pathlib
 import statistics
-import sys
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "cli"))
-from cli_support import ROOT, assert_error, run  # noqa: E402
+from tests.support.cli import ROOT, assert_error, run
 
 
 def test_interleaved_offload_ratio(tmp_path):

@@ -1,5 +1,6 @@
 """tools/bench_serve.py against a real tiny server (configs/tiny.py, offload on, started
 once as a user would), both scenarios, and its one-line errors for bad flags."""
+import importlib.util
 import json
 import os
 import pathlib
@@ -8,11 +9,10 @@ import sys
 
 import pytest
 
+from tests.support.cli import assert_error
+from tests.support.server import TINY_OFFLOAD, ServerProcess
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tests" / "server"))
-sys.path.insert(0, str(ROOT / "tests" / "cli"))
-from cli_support import assert_error  # noqa: E402
-from server_support import TINY_OFFLOAD, ServerProcess  # noqa: E402
 
 
 def _bench(*args, timeout=120):
@@ -118,8 +118,10 @@ def test_itl_split_windows_and_comparison():
     """The arithmetic without a server: a k-token chunk counts k gaps of gap/k, TPOT is
     (e2e - TTFT) / (tokens - 1), the prefill window takes the gaps ending inside it, and
     the comparison divides offload on by off."""
-    sys.path.insert(0, str(ROOT / "tools"))
-    import bench_serve as bs
+    spec = importlib.util.spec_from_file_location("bench_serve", ROOT / "tools" / "bench_serve.py")
+    bs = importlib.util.module_from_spec(spec)
+    sys.modules["bench_serve"] = bs    # its dataclasses look their module up
+    spec.loader.exec_module(bs)
     r = bs.Result(t_send=10.0, t_end=11.6, chunk_t=[10.2, 11.0, 11.5], chunk_n=[1, 2, 1],
                   done=True)
     assert r.tokens == 4 and r.ttft == pytest.approx(0.2)

@@ -3,11 +3,8 @@ prefill both prompts, the report has each side's prefill and step against the ro
 the greedy tokens agree per prompt, and the PNG is written; a bad --batch is one line."""
 
 import json
-import pathlib
-import sys
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "cli"))
-from cli_support import ROOT, assert_error, run  # noqa: E402
+from tests.support.cli import ROOT, assert_error, run
 
 
 def test_batch_prefill_against_transformers(tmp_path):

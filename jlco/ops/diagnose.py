@@ -66,8 +66,8 @@ import time
 
 import numpy as np
 
-from jlco.server import loadgen
-from jlco.server.loadgen import LoadError, Scrape
+from jlco.ops import loadgen
+from jlco.ops.loadgen import LoadError, Scrape
 
 HIT_RATE_LOW = 0.80
 FETCH_SHARE_HIGH = 0.20

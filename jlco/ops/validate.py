@@ -36,8 +36,8 @@ import sys
 
 import numpy as np
 
-from jlco.server import loadgen
-from jlco.server.loadgen import LoadError, LoadSpec, ServeProcess
+from jlco.ops import loadgen
+from jlco.ops.loadgen import LoadError, LoadSpec, ServeProcess
 
 LENGTH = re.compile(r"^(?:(\d+)|(\d*)topk|limit)$")
 STABILITY_METRICS = ("process_resident_memory_bytes", "jlco_host_pool_bytes_used",

@@ -43,9 +43,8 @@ def tiny_model_config(**changes):
 def make_hf_checkpoint(path: pathlib.Path, **changes):
     """A float32 DeepseekV32 checkpoint written by transformers at `path`; returns the
     transformers model (the reference). Larger init than transformers' default so greedy
-    tokens are decisive (tests/hf_reference.py)."""
-    sys.path.insert(0, str(ROOT / "tests"))
-    from hf_reference import build_hf_model
+    tokens are decisive (tests/support/hf_reference.py)."""
+    from tests.support.hf_reference import build_hf_model
     ref = build_hf_model(tiny_model_config(**changes), seed=0, init_std=0.1, bias_std=0.05)
     ref.save_pretrained(path)
     return ref
