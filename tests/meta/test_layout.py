@@ -185,3 +185,30 @@ def test_nothing_cites_files_outside_the_repository():
     out = subprocess.run(["git", "grep", "-n", "-e", outside[0], "-e", outside[1]],
                          cwd=ROOT, capture_output=True, text=True)
     assert out.stdout == "", out.stdout
+
+
+MAX_CLASS_LINES, MAX_FUNCTION_LINES = 250, 80
+
+
+def _oversized(path: pathlib.Path) -> list[str]:
+    out = []
+    name = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path.name
+    for node in ast.walk(ast.parse(path.read_text())):
+        lines = getattr(node, "end_lineno", 0) - getattr(node, "lineno", 0) + 1
+        if isinstance(node, ast.ClassDef) and lines > MAX_CLASS_LINES:
+            out.append(f"{name}: class {node.name} has {lines} lines")
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) \
+                and lines > MAX_FUNCTION_LINES:
+            out.append(f"{name}: {node.name}() has {lines} lines")
+    return out
+
+
+def test_no_class_or_function_is_too_long():
+    """Classes stay under 250 lines and functions under 80 (a reader holds one at once)."""
+    assert [m for p in sorted(JLCO.rglob("*.py")) for m in _oversized(p)] == []
+
+
+def test_size_check_sees_a_long_function(tmp_path):
+    f = tmp_path / "probe.py"
+    f.write_text("def f():\n" + "    x = 1\n" * 90)
+    assert _oversized(f) == ["probe.py: f() has 91 lines"]
