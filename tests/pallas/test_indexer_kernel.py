@@ -138,12 +138,17 @@ def test_block_shapes_do_not_change_scores(style, blocks):
 
 
 @pytest.mark.parametrize("key_format", ["bf16", "fp8"])
-def test_reference_key_blocks_give_the_same_bits(monkeypatch, key_format):
+def test_reference_key_blocks_give_the_same_scores(monkeypatch, key_format):
     # The reference forms the per-head logits a key block at a time when they would be
-    # large; blocking keys changes no reduction, so the scores must be bit-identical.
+    # large. Blocking keys changes no reduction over d, but XLA:CPU may pick a different
+    # dot kernel for a [.., 1024] block than for the whole [.., 3000] (seen on one CPU:
+    # 1.9e-6 apart at magnitude 3), so the scores agree to f32 rounding, not to the bit.
+    # The engine never compares a blocked score with an unblocked one: both sides of each
+    # of its equalities (offload on / off, served / alone) run the same shapes.
     q, w, k, scale = _inputs(3, b=2, s_q=4, h=8, d=32, length=3000, key_format=key_format)
     lengths = jnp.asarray([3000, 1700], jnp.int32)
     whole = ix.indexer_scores_ref(q, w, k, lengths, k_scale=scale, key_format=key_format)
     monkeypatch.setattr(ix, "REF_LOGITS_ELEMS", 2 * 4 * 8 * 1024)   # blocks of 1024 keys
     blocked = ix.indexer_scores_ref(q, w, k, lengths, k_scale=scale, key_format=key_format)
-    chex.assert_trees_all_equal(blocked, whole)
+    np.testing.assert_array_equal(np.isinf(blocked), np.isinf(whole))   # the same masked keys
+    chex.assert_trees_all_close(blocked, whole, rtol=1e-6, atol=1e-5)
