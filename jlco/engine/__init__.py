@@ -1,9 +1,12 @@
 """The engine wing: `scheduler` (pure Python, no jax: requests, waiting queue, slots,
-pages, admission, abort, finish and stop conditions; it decides what runs each step),
-`runner` (model state, device caches, hot buffers and jitted steps; executes a plan),
-`core.Engine` (joins the two: submit / step / abort / run), `steps` (the jitted step
-functions), `host_driven` (the host-driven fetch path), `speculative` (MTP drafts +
-greedy-exact verification) and `synthetic` (PD-style synthetic prefilled contexts).
+pages, admission, abort, finish and stop conditions, the one request check; it decides
+what runs each step), `runner` (model state, device caches and jitted steps; executes a
+plan), `core.Engine` (joins the two: submit / step / abort / run, and what the server
+asks), `steps` (the one decode step: open_step / model / close_step, install, warm-up),
+`inputs` (the per-step input pytree, the step's output), `sampling` (filters, draw,
+speculative verify), `host_driven` (the same step as host-driven phases), `speculative`
+(MTP drafts, the verify seam), `allocation` (cache allocation and sizing), `prefill`
+(prefill jobs), `transfer` (PD wire format) and `synthetic` (PD-style contexts).
 
 May import: everything below it (`jlco.model`, `jlco.offload`, `jlco.pallas` (the
 kernel choice), `jlco.parallel` (the mesh), `jlco.config`, `jlco.planning.trace`,
