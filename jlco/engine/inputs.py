@@ -26,12 +26,13 @@ class StepInputs:
     limit: jax.Array           # int32 [b] tokens the request may still emit
 
     @classmethod
-    def from_requests(cls, running: Sequence, batch: int, last: Sequence[int] | int = 1
-                      ) -> "StepInputs":
+    def from_requests(cls, running: Sequence, batch: int, last: Sequence[int] | int = 1,
+                      width: int | None = None) -> "StepInputs":
         """`running` at their slots; each slot's tokens are the request's last `last`
-        (one count, or one per request) tokens, left-aligned in a [b, max] row."""
+        (one count, or one per request) tokens, left-aligned in a [b, width] row
+        (default width: the largest count)."""
         last = [last] * len(running) if isinstance(last, int) else list(last)
-        width = max(last, default=1)
+        width = max(last, default=1) if width is None else width
         tokens = np.zeros((batch, width), np.int32)
         active = np.zeros((batch,), bool)
         limit = np.zeros((batch,), np.int32)

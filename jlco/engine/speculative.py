@@ -327,10 +327,9 @@ class Speculator:
             if r.id in self._fresh:
                 self.pend_h = self.pend_h.at[r.slot, 0].set(self._fresh.pop(r.id)[0])
                 self.pend_n[r.id] = 1
-        inputs = StepInputs.from_requests(running, b, [self.pend_n[r.id] for r in running])
-        if inputs.tokens.shape[1] < n + 1:   # fixed shape [b, n+1]: one compiled step
-            pad = np.zeros((b, n + 1 - inputs.tokens.shape[1]), np.int32)
-            inputs = dataclasses.replace(inputs, tokens=np.concatenate([inputs.tokens, pad], 1))
+        # A fixed [b, n+1] token shape: one compiled step.
+        inputs = StepInputs.from_requests(running, b, [self.pend_n[r.id] for r in running],
+                                          width=n + 1)
         pend_n = np.ones((b,), np.int32)
         slots = [None] * b
         for r in running:
