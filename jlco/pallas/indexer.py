@@ -323,54 +323,113 @@ def indexer_topk(q, weights, k_cache, lengths, topk, *, k_scale=None, key_format
     return select_topk(scores, topk)
 
 
-REF_LOGITS_ELEMS = 1 << 28   # f32 per-head logits the reference forms at once (1 GiB)
+REF_BLOCK_ELEMS = 1 << 26   # f32 per-head logits [s_q, H, keys] of one streamed key block
+
+
+def ref_key_block(s_q: int, heads: int, length: int, topk: int = 1) -> int:
+    """Keys per block of the reference's stream: a power of two with s_q·H·block at
+    most REF_BLOCK_ELEMS (256 MiB of f32 per request), at least 256 and `topk`, at most
+    `length`. It depends on the query shape only, never on the batch, so a micro-batch
+    (the host-driven engine) scores with the same block shapes as the whole batch."""
+    blk = max(256, REF_BLOCK_ELEMS // max(1, s_q * heads), topk)
+    return min(1 << (blk.bit_length() - 1), length)
+
+
+def _ref_operands(q, weights, k_cache, key_format):
+    """(queries, weights f32, keys) in the reference's compute dtypes."""
+    cdt = _compute_dtype(q.dtype, k_cache.dtype)
+    if key_format == "fp8":
+        k = jax.lax.bitcast_convert_type(k_cache, jnp.float8_e4m3fn)
+    else:
+        k = k_cache
+    return q.astype(cdt), weights.astype(jnp.float32), k, cdt
+
+
+def _ref_block_scores(ops, k_scale, lengths, lo, width, s_q):
+    """Masked scores [b, s_q, width] f32 of keys lo .. lo+width (lo may be traced)."""
+    qc, wf, k, cdt = ops
+    kb = jax.lax.dynamic_slice_in_dim(k, lo, width, axis=1).astype(cdt)
+    logits = jnp.einsum("bthd,bsd->bths", qc, kb, precision=jax.lax.Precision.HIGHEST,
+                        preferred_element_type=jnp.float32)
+    if k_scale is not None:
+        sb = jax.lax.dynamic_slice_in_dim(k_scale, lo, width, axis=1)
+        logits = logits * sb[:, None, None, :].astype(jnp.float32)
+    scores = jnp.einsum("bths,bth->bts", jnp.maximum(logits, 0.0), wf,
+                        precision=jax.lax.Precision.HIGHEST)
+    p = lengths.astype(jnp.int32)[:, None, None] - s_q + jnp.arange(s_q)[None, :, None]
+    visible = (lo + jnp.arange(width))[None, None, :] <= p
+    return jnp.where(visible, scores, _NEG_INF)
 
 
 def indexer_scores_ref(q, weights, k_cache, lengths, *, k_scale=None, key_format="bf16"):
-    """Plain-jnp masked scores [b, s_q, L] f32, the reference for `indexer_scores`.
-
-    The per-head logits [b, s_q, H, keys] are formed for at most REF_LOGITS_ELEMS
-    elements at a time (key blocks): a 4096-query prefill chunk over 128K keys would
-    otherwise need tens of GB. Blocking the keys changes no reduction (those run over D
-    and H), so the scores are the same bits."""
+    """Plain-jnp masked scores [b, s_q, L] f32, the reference for `indexer_scores`: the
+    per-head logits are formed a key block at a time (`ref_key_block`); blocking the keys
+    changes no reduction (those run over D and H). The whole [b, s_q, L] row is returned:
+    for tests and small shapes; `indexer_topk_ref` never forms it."""
     _validate(q, weights, k_cache, lengths, 1, k_scale, key_format)
     b, s_q, heads = q.shape[:3]
     length = k_cache.shape[1]
-    cdt = _compute_dtype(q.dtype, k_cache.dtype)
-    if key_format == "fp8":
-        k = jax.lax.bitcast_convert_type(k_cache, jnp.float8_e4m3fn).astype(cdt)
-    else:
-        k = k_cache.astype(cdt)
-    qc, wf = q.astype(cdt), weights.astype(jnp.float32)
+    ops = _ref_operands(q, weights, k_cache, key_format)
+    scale = k_scale if key_format == "fp8" else None
+    blk = ref_key_block(s_q, heads, length)
+    return jnp.concatenate([_ref_block_scores(ops, scale, lengths, lo, min(blk, length - lo), s_q)
+                            for lo in range(0, length, blk)], axis=-1)
 
-    def block(lo, hi):
-        logits = jnp.einsum("bthd,bsd->bths", qc, k[:, lo:hi],
-                            precision=jax.lax.Precision.HIGHEST,
-                            preferred_element_type=jnp.float32)
-        if key_format == "fp8":
-            logits = logits * k_scale[:, None, None, lo:hi].astype(jnp.float32)
-        return jnp.einsum("bths,bth->bts", jnp.maximum(logits, 0.0), wf,
-                          precision=jax.lax.Precision.HIGHEST)
 
-    step = max(1024, REF_LOGITS_ELEMS // max(1, b * s_q * heads))
-    if step >= length:
-        scores = block(0, length)
-    else:
-        scores = jnp.concatenate([block(lo, min(lo + step, length))
-                                  for lo in range(0, length, step)], axis=-1)
-    p = lengths.astype(jnp.int32)[:, None, None] - s_q + jnp.arange(s_q)[None, :, None]
-    visible = jnp.arange(length)[None, None, :] <= p
-    return jnp.where(visible, scores, _NEG_INF)
+def _merge_block(carry, scores, lo, topk):
+    """Running top-k (vals, positions) merged with one block's scores [b, s_q, w]. The
+    running entries come first and hold lower positions, and `lax.top_k` keeps the
+    lower index of equal values, so the order is the whole row's: descending score,
+    ties to the lower position."""
+    vals, idx = carry
+    pos = jnp.broadcast_to(lo + jnp.arange(scores.shape[-1], dtype=jnp.int32), scores.shape)
+    v, j = jax.lax.top_k(jnp.concatenate([vals, scores], axis=-1), topk)
+    return v, jnp.take_along_axis(jnp.concatenate([idx, pos], axis=-1), j, axis=-1)
+
+
+def _stream_topk(ops, k_scale, lengths, topk, length, blk, s_q):
+    """Top-k over the key blocks with a running top-k: memory is one block's logits and
+    scores, whatever the context (a 4096-query chunk over 128K keys would otherwise
+    hold a [4096, 128K] score row, and XLA:CPU kept every block's logits live at once)."""
+    b = lengths.shape[0]
+    carry = (jnp.full((b, s_q, topk), _NEG_INF, jnp.float32),
+             jnp.full((b, s_q, topk), -1, jnp.int32))
+
+    def body(i, c):
+        lo = i * blk
+        return _merge_block(c, _ref_block_scores(ops, k_scale, lengths, lo, blk, s_q), lo, topk)
+
+    # Blocks wholly past every request's length hold no visible key: skipped (the scan
+    # bucket can be twice the longest context).
+    n_full = length // blk
+    longest = jnp.max(lengths).astype(jnp.int32)
+    live = jnp.clip((longest + blk - 1) // blk, 0, n_full)
+    carry = jax.lax.fori_loop(0, live, body, carry)
+    if length % blk:
+        lo = n_full * blk
+        carry = jax.lax.cond(longest > lo, lambda c: _merge_block(
+            c, _ref_block_scores(ops, k_scale, lengths, lo, length - lo, s_q), lo, topk),
+            lambda c: c, carry)
+    vals, idx = carry
+    valid = vals > _NEG_INF
+    return jnp.where(valid, idx, -1), jnp.where(valid, vals, _NEG_INF)
 
 
 @functools.partial(jax.jit, static_argnames=("topk", "key_format", "block_n", "backend",
                                              "interpret"))
 def indexer_topk_ref(q, weights, k_cache, lengths, topk, *, k_scale=None, key_format="bf16",
                      block_n=None, backend="auto", interpret=False):
-    """Plain-jnp reference of `indexer_topk` (same contract; block/backend args ignored)."""
+    """Plain-jnp reference of `indexer_topk` (same contract; block/backend args ignored).
+    One key block: the whole score row and `select_topk`; more: streamed blocks with a
+    running top-k (`_stream_topk`), the same positions and scores."""
     del block_n, backend, interpret
     _validate(q, weights, k_cache, lengths, topk, k_scale, key_format)
+    b, s_q, heads = q.shape[:3]
+    length = k_cache.shape[1]
+    ops = _ref_operands(q, weights, k_cache, key_format)
+    scale = k_scale if key_format == "fp8" else None
+    blk = ref_key_block(s_q, heads, length, topk)
     with jax.named_scope("indexer_topk_ref"):
-        scores = indexer_scores_ref(q, weights, k_cache, lengths, k_scale=k_scale,
-                                    key_format=key_format)
-        return select_topk(scores, topk)
+        if blk >= length:
+            return select_topk(_ref_block_scores(ops, scale, lengths, 0, length, s_q), topk)
+        return _stream_topk(ops, scale, lengths, topk, length, blk, s_q)

@@ -148,7 +148,32 @@ def test_reference_key_blocks_give_the_same_scores(monkeypatch, key_format):
     q, w, k, scale = _inputs(3, b=2, s_q=4, h=8, d=32, length=3000, key_format=key_format)
     lengths = jnp.asarray([3000, 1700], jnp.int32)
     whole = ix.indexer_scores_ref(q, w, k, lengths, k_scale=scale, key_format=key_format)
-    monkeypatch.setattr(ix, "REF_LOGITS_ELEMS", 2 * 4 * 8 * 1024)   # blocks of 1024 keys
+    monkeypatch.setattr(ix, "REF_BLOCK_ELEMS", 4 * 8 * 1024)   # blocks of 1024 keys
     blocked = ix.indexer_scores_ref(q, w, k, lengths, k_scale=scale, key_format=key_format)
     np.testing.assert_array_equal(np.isinf(blocked), np.isinf(whole))   # the same masked keys
     chex.assert_trees_all_close(blocked, whole, rtol=1e-6, atol=1e-5)
+
+
+@pytest.mark.parametrize("key_format", ["bf16", "fp8"])
+@pytest.mark.parametrize("topk", [16, 300])
+@pytest.mark.parametrize("longest", [2600, 1000])
+def test_streamed_topk_equals_the_whole_row(monkeypatch, key_format, topk, longest):
+    # Long prefill chunks stream the keys with a running top-k (bounded memory); the
+    # positions and scores must be those of `select_topk` over the whole score row, ties
+    # included (duplicated keys give equal scores: the lower position must win), for a
+    # ragged batch, a tail block shorter than the others, blocks past every length
+    # (skipped) and a top-k past some lengths.
+    q, w, k, scale = _inputs(5, b=2, s_q=3, h=8, d=32, length=2600, key_format=key_format)
+    k = k.at[:, 1700:1900].set(k[:, 100:300])
+    if scale is not None:
+        scale = scale.at[:, 1700:1900].set(scale[:, 100:300])
+    lengths = jnp.asarray([longest, 250], jnp.int32)
+    monkeypatch.setattr(ix, "REF_BLOCK_ELEMS", 3 * 8 * 512)            # blocks of 512 keys
+    assert ix.ref_key_block(3, 8, 2600, topk) == 512
+    got = ix.indexer_topk_ref.__wrapped__(q, w, k, lengths, topk, k_scale=scale,
+                                          key_format=key_format)
+    scores = ix.indexer_scores_ref(q, w, k, lengths, k_scale=scale, key_format=key_format)
+    want = ix.select_topk(scores, topk)
+    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+    assert (np.asarray(got[0])[1] == -1).any() == (topk > 250)
