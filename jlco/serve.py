@@ -33,7 +33,7 @@ FLAGS = flags.FLAGS
 PROG = "jlco.serve"
 _ROOT = pathlib.Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = _ROOT / "configs" / "128k.py"
-WARMUP_PROMPT = 48      # tokens of the warm-up request (longer than tiny's index_topk)
+_SHAPES_PER_LINE = 8    # warm-up progress: a line per this many compiled shapes
 
 
 def define_flags() -> None:
@@ -57,7 +57,8 @@ def define_flags() -> None:
     flags.DEFINE_float("device_budget_gb", None, "device memory the banner plans batches "
                        "for (default: the accelerator's limit; on CPU the bytes the "
                        "no-offload engine needs at engine.max_batch_size)", lower_bound=0.0)
-    flags.DEFINE_bool("warmup", True, "compile with one small request before ready")
+    flags.DEFINE_bool("warmup", True, "compile every prefill and decode shape (and serve one "
+                      "small request) before ready; off: requests compile as they come")
     flags.DEFINE_string("mesh", None, "device mesh, e.g. expert=4 (fields left out are 1; "
                         "default: the config's mesh section); data > 1: data-parallel "
                         "attention, the batch slots split over the data ranks")
@@ -102,7 +103,8 @@ def memory_plan(cfg, weight_bytes: int) -> list[str]:
     offload at one device budget."""
     import jax
 
-    from jlco.engine.allocation import batch_for_budget, device_cache_bytes
+    from jlco.engine.allocation import (batch_for_budget, device_cache_bytes,
+                                        prefill_workspace_bytes)
     from jlco.model.kv_cache import cache_layers
     batch = cfg.engine.max_batch_size
     dev_cache = device_cache_bytes(cfg, batch)
@@ -128,8 +130,12 @@ def memory_plan(cfg, weight_bytes: int) -> list[str]:
         pool = batch * -(-ctx // page) * page * cfg.row_bytes * cache_layers(cfg)
         lines.append(f"memory: host pool {gb(pool)} in {cfg.cache.storage} "
                      f"({cfg.hot_buffer_rows} hot rows per request and layer on device)")
-    b_off = batch_for_budget(off_cfg, budget, other_bytes=weight_bytes)
-    b_on = batch_for_budget(on_cfg, budget, other_bytes=weight_bytes)
+    work = prefill_workspace_bytes(cfg)
+    lines.append(f"memory: prefill workspace {gb(work)} (one request at a time: its [1, "
+                 f"{cfg.engine.max_context_len}] cache + one {cfg.engine.prefill_chunk}-token "
+                 "chunk's working set, whatever the prompt's length)")
+    b_off = batch_for_budget(off_cfg, budget, other_bytes=weight_bytes + work)
+    b_on = batch_for_budget(on_cfg, budget, other_bytes=weight_bytes + work)
     lines.append(f"memory: device budget {gb(budget)} ({why}): largest batch {b_off} with "
                  f"offload off, {b_on} with offload on (x{b_on / max(b_off, 1):.1f})")
     return lines
@@ -182,13 +188,17 @@ def _mesh_context(mesh):
 
 
 def _warm_up(engine, cfg, mcfg) -> None:
-    """Compile prefill and decode with one small request (stderr says how long)."""
+    """Compile every prefill and decode shape, then serve one small request (stderr
+    shows progress and says how long: no request compiles after `ready:`)."""
     if FLAGS.warmup:
-        t0 = time.perf_counter()
-        n = min(WARMUP_PROMPT, cfg.engine.max_context_len - 2)
-        engine.generate([[(7 * i) % mcfg.vocab_size for i in range(n)]], 2)
-        _say(f"warm-up: {time.perf_counter() - t0:.1f} s (prefill and decode compiled)")
-        engine.check_no_leaks()
+        def progress(done, total, what):
+            if done % _SHAPES_PER_LINE == 0 or done == total:
+                _say(f"warm-up: {done}/{total} shapes compiled ({what})")
+
+        w = engine.warm_up(progress)
+        _say(f"warm-up: {w['seconds']:.1f} s ({w['prefill_shapes']} prefill and "
+             f"{w['decode_shapes']} decode shapes compiled, or loaded from the compilation "
+             "cache)")
 
 
 # ----------------------------------------------------------------------------- main

@@ -55,13 +55,20 @@ def physical_memory_bytes() -> int | None:
 
 def check_host_memory(cfg: Config, pool_bytes: int) -> None:
     """Refuse a host pool in memory (not `storage="file"`) above HOST_MEMORY_LIMIT of the
-    machine's RAM: it would swap or be killed mid-run. A ValueError names the fields."""
+    machine's RAM: it would swap or be killed mid-run. On a CPU-only process the prefill
+    workspace (`prefill_workspace_bytes`) is host memory too and counts beside it. A
+    ValueError names the fields."""
     ram = physical_memory_bytes()
-    if cfg.cache.storage == "file" or ram is None or pool_bytes <= HOST_MEMORY_LIMIT * ram:
+    if cfg.cache.storage == "file" or ram is None:
         return
+    cpu = all(d.platform == "cpu" for d in jax.devices())
+    work = prefill_workspace_bytes(cfg) if cpu else 0
+    if pool_bytes + work <= HOST_MEMORY_LIMIT * ram:
+        return
+    also = f" (+ {work / 1e9:.1f} GB of prefill workspace)" if work else ""
     raise ValueError(
-        f"the host pool needs {pool_bytes / 1e9:.1f} GB, above {HOST_MEMORY_LIMIT:.0%} of this "
-        f"machine's {ram / 1e9:.1f} GB of RAM: lower engine.max_batch_size "
+        f"the host pool needs {pool_bytes / 1e9:.1f} GB{also}, above {HOST_MEMORY_LIMIT:.0%} "
+        f"of this machine's {ram / 1e9:.1f} GB of RAM: lower engine.max_batch_size "
         f"({cfg.engine.max_batch_size}) or engine.max_context_len "
         f"({cfg.engine.max_context_len}), or use cache.storage='file'")
 
@@ -135,6 +142,22 @@ def device_cache_bytes(cfg: Config, batch: int) -> int:
     shapes = jax.eval_shape(lambda: _allocate(cfg)[0])
     host = shapes.latent.host if isinstance(shapes.latent, OffloadLatent) else ()
     return _nbytes(shapes) - _nbytes(host)
+
+
+def prefill_workspace_bytes(cfg: Config) -> int:
+    """Device bytes a prefill holds while it runs, whatever the prompt's length: its
+    one-request [1, max_len] cache (`jlco.engine.prefill.open_cache`) and one chunk's
+    working set: the indexer's streamed key block (per-head logits [chunk, H, block]
+    f32, `jlco.pallas.indexer.ref_key_block`) and the top-k latent rows the chunk's
+    queries attend over, decoded to f32. The engine prefills one request at a time
+    (`jlco.engine.prefill.start`), so this is the whole prefill workspace."""
+    from jlco.pallas.indexer import ref_key_block
+    m, chunk = cfg.model, cfg.engine.prefill_chunk
+    one = jax.eval_shape(lambda: init_cache(cfg, batch=1, max_len=cfg.engine.max_context_len))
+    block = ref_key_block(chunk, m.index_n_heads, cfg.engine.max_context_len, m.index_topk)
+    indexer = 4 * chunk * block * (m.index_n_heads + 2)
+    rows = 4 * chunk * m.index_topk * (m.kv_lora_rank + m.qk_rope_head_dim)
+    return _nbytes(one) + indexer + rows
 
 
 def _nbytes(tree) -> int:

@@ -20,6 +20,8 @@ from jlco.engine.transfer import PrefilledRequest
 
 __all__ = ["Engine", "Request", "RequestError"]
 
+WARMUP_PROMPT = 48   # tokens of the warm-up request (longer than tiny's index_topk)
+
 
 class Engine:
     """Continuous batching (s_q = 1 per step, or 1 + engine.num_draft_tokens with
@@ -251,6 +253,13 @@ class Engine:
         reqs = [self.submit(p, max_new_tokens, temperature, seed) for p in prompts]
         self.run()
         return reqs
+
+    def warm_up(self, progress=None) -> dict:
+        """Compile every prefill and decode shape, then serve short requests
+        (`jlco.engine.warmup.warm_up`; progress(done, total, what) after each shape):
+        after it no request compiles."""
+        from jlco.engine import warmup
+        return warmup.warm_up(self, progress, WARMUP_PROMPT)
 
     def check_no_leaks(self) -> None:
         """Every slot and page is owned by a running request (and nothing else), and every

@@ -27,9 +27,11 @@ class PrefillJob:
     (lo, hi, chunk shape) still to run."""
     req: Request
     page_row: np.ndarray | None
-    cache: DecodeCache | None                 # the request's own [1, max_len] cache
+    cache: DecodeCache | None                 # its own [1, max_len] cache, while it runs
     tokens: np.ndarray                        # int32 [1, n]
     pieces: list[tuple[int, int, int]]
+    record: bool = False                      # keep the last piece's top-k sets
+    max_len: int = 0                          # the cache's positions
     done_pieces: int = 0
     logits: jax.Array | None = None           # at the last prompt position so far
     hidden: jax.Array | None = None           # its final hidden state [1, d]
@@ -70,16 +72,29 @@ def pieces(n: int, chunk: int, warmup: int) -> list[tuple[int, int, int]]:
 
 def start(cfg: Config, req: Request, page_row, max_len: int, warmup_queries: int,
           record: bool) -> PrefillJob:
-    """A job for `req.prompt` on a fresh one-request cache; with `record` the last
-    piece's top-k sets are kept (for the offload warm-up or a PD export)."""
+    """A job for `req.prompt`; with `record` the last piece's top-k sets are kept (for
+    the offload warm-up or a PD export). Its one-request cache is allocated by
+    `open_cache` when its first piece runs, not here: the engine admits many requests
+    at once but prefills them one after another (oldest first), so only the prefill
+    that computes holds a cache (the workspace admission plans for, one request's)."""
     n = len(req.prompt)
     w = min(warmup_queries, n)
     job_pieces = pieces(n, cfg.engine.prefill_chunk, w)
-    cache = init_cache(cfg, batch=1, max_len=max_len)
-    if w and record:
-        cache = dataclasses.replace(cache, record=jnp.full(
-            (cache_layers(cfg), 1, job_pieces[-1][2], cfg.model.index_topk), -1, jnp.int32))
-    return PrefillJob(req, page_row, cache, np.asarray([req.prompt], np.int32), job_pieces)
+    return PrefillJob(req, page_row, None, np.asarray([req.prompt], np.int32), job_pieces,
+                      record=bool(w and record), max_len=max_len)
+
+
+def open_cache(cfg: Config, max_len: int) -> DecodeCache:
+    """A fresh one-request cache [1, max_len] for a job's first piece."""
+    return init_cache(cfg, batch=1, max_len=max_len)
+
+
+def with_record(cfg: Config, cache: DecodeCache, width: int) -> DecodeCache:
+    """The cache with an empty record buffer [L, 1, width, k] for a last piece of
+    compiled width `width`. Only the last piece carries it: the record is part of the
+    compiled shape, so the other pieces compile once whatever the prompt's last piece."""
+    return dataclasses.replace(cache, record=jnp.full(
+        (cache_layers(cfg), 1, width, cfg.model.index_topk), -1, jnp.int32))
 
 
 @jax.jit

@@ -151,15 +151,22 @@ class ModelRunner:
         positions computed (the piece's padded width). Speculative decoding also fills
         the MTP layer's rows."""
         lo, hi, chunk = job.pieces[job.done_pieces]
-        if self.spec is not None:
-            job.logits, job.hidden, job.cache = self.spec.prefill(job.req, job.cache, job.tokens,
-                                                                  lo, hi, chunk)
-        else:
-            job.logits, job.hidden, job.cache = prefill(
-                (self.graphdef, self.state), job.cache, job.tokens[:, lo:hi], chunk=chunk,
-                impl=self.impl)
+        if job.cache is None:
+            job.cache = engine_prefill.open_cache(self.cfg, job.max_len)
+        if job.record and job.done_pieces == len(job.pieces) - 1:
+            job.cache = engine_prefill.with_record(self.cfg, job.cache, chunk)
+        job.logits, job.hidden, job.cache = self.run_piece(job.req, job.cache, job.tokens, lo,
+                                                           hi, chunk)
         job.done_pieces += 1
         return chunk
+
+    def run_piece(self, req, cache, tokens, lo, hi, chunk, scan_len="auto"):
+        """Prompt positions lo..hi-1 of tokens [1, n] as one piece of width `chunk`
+        → (logits, hidden, cache); speculative decoding also fills the MTP rows."""
+        if self.spec is not None:
+            return self.spec.prefill(req, cache, tokens, lo, hi, chunk, scan_len)
+        return prefill((self.graphdef, self.state), cache, tokens[:, lo:hi], chunk=chunk,
+                       impl=self.impl, scan_len=scan_len)
 
     def finish_prefill(self, job: PrefillJob) -> tuple[int, float]:
         """Install a finished prefill in its batch slot (offloaded: warm its hot buffer)
@@ -169,14 +176,6 @@ class ModelRunner:
                     job.warmup_record())
         job.cache = None
         return first_token(job.logits[None, 0], job.req)
-
-    def prefill(self, req: Request, page_row: np.ndarray | None) -> tuple[int, float]:
-        """Prefill `req.prompt` whole (every piece of `start_prefill`), install it and
-        sample its first token → (token, log-prob)."""
-        job = self.start_prefill(req, page_row)
-        while not job.finished:
-            self.prefill_piece(job)
-        return self.finish_prefill(job)
 
     def install(self, temp: DecodeCache, slot: int, n: int, page_row) -> None:
         """A finished one-request prefill `temp` (n positions) into batch slot `slot`,

@@ -73,7 +73,7 @@ from jlco.engine.inputs import DecodeOutput, StepInputs
 from jlco.engine.sampling import verify
 from jlco.engine.steps import close_step, open_step
 from jlco.model.prefill import final_logits, prefill
-from jlco.model.kv_cache import scan_bucket
+from jlco.model.kv_cache import prefill_scan
 
 
 class DraftInputs(NamedTuple):
@@ -228,7 +228,7 @@ def _mtp_chunk(graphdef, state, cache, h, next_tokens, start, *, impl):
 
 
 def prefill_with_mtp(model, cache, prompt: np.ndarray, lo: int, hi: int, *, chunk: int,
-                     impl: str):
+                     impl: str, scan_len: int | None | str = "auto"):
     """Prefill prompt [1, n] positions lo..hi-1 (cache.lengths == lo) in chunks of
     `chunk` (the shapes `jlco.model.prefill` uses), and after each chunk the MTP block over
     the same positions with the following prompt token. The last prompt position's
@@ -244,9 +244,9 @@ def prefill_with_mtp(model, cache, prompt: np.ndarray, lo: int, hi: int, *, chun
         follow = np.zeros((1, chunk), np.int32)
         nxt = prompt[:, start + 1:min(start + chunk + 1, n)]
         follow[:, :nxt.shape[1]] = nxt
-        # Both blocks score only the positions cached so far (bucketed), as
-        # `jlco.model.prefill` does: the indexer's cost follows the prompt, not max_len.
-        cache = dataclasses.replace(cache, scan_len=scan_bucket(start + width, cache.max_len))
+        # Both blocks scan the keys as `jlco.model.prefill` does (`scan_len` likewise).
+        scan = prefill_scan(start + width, cache.max_len) if scan_len == "auto" else scan_len
+        cache = dataclasses.replace(cache, scan_len=scan)
         h, cache = _main_chunk(graphdef, state, cache, jnp.asarray(piece),
                                jnp.asarray([width], jnp.int32), impl=impl)
         cache = _mtp_chunk(graphdef, state, cache, h, jnp.asarray(follow),
@@ -302,17 +302,19 @@ class Speculator:
         self._jit = _jitted_step(self.drafter, self.n, runner.impl, cfg.engine.spec_sampling,
                                  shard)
 
-    def prefill(self, req, temp, prompt, lo, hi, chunk):
+    def prefill(self, req, temp, prompt, lo, hi, chunk, scan_len="auto"):
         """The runner's prefill of prompt positions lo..hi-1, with the MTP rows filled
-        when the drafter reads them; remembers the last hidden for the first step."""
+        when the drafter reads them; remembers the last hidden for the first step
+        (`req` None: a warm-up compile, nothing remembered)."""
         model = (self.graphdef, self.state)
         if self.drafter.needs_mtp_cache:
             logits, h, temp = prefill_with_mtp(model, temp, prompt, lo, hi, chunk=chunk,
-                                               impl=self.impl)
+                                               impl=self.impl, scan_len=scan_len)
         else:
             logits, h, temp = prefill(model, temp, prompt[:, lo:hi], chunk=chunk,
-                                      impl=self.impl)
-        self.admit(req.id, h)
+                                      impl=self.impl, scan_len=scan_len)
+        if req is not None:
+            self.admit(req.id, h)
         return logits, h, temp
 
     def admit(self, request_id: int, hidden: jax.Array) -> None:

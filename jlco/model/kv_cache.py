@@ -190,6 +190,18 @@ def scan_bucket(n: int, max_len: int, minimum: int = 1024) -> int | None:
     return None if b >= max_len else b
 
 
+def prefill_scan(n: int, max_len: int) -> int | None:
+    """The `scan_len` of a prefill chunk whose context reaches n positions: the scan
+    bucket while the chunk may attend densely (`dense_rows`: at most DENSE_MAX_T
+    positions), else None (all max_len). Past that the bucket would only bound the
+    indexer's key scan, and the indexer skips key blocks past every request's length
+    itself (`jlco.pallas.indexer`), so a prefill compiles for 4 scan shapes per chunk
+    width instead of one per power of two up to max_len."""
+    from jlco.model.attention import DENSE_MAX_T
+    b = scan_bucket(n, max_len)
+    return b if b is not None and b <= DENSE_MAX_T else None
+
+
 def index_keys(cache: DecodeCache, layer: int) -> tuple[jax.Array, jax.Array | None]:
     """Keys [b, t, D] in the form `indexer_topk` takes (float, or uint8 e4m3 + scale);
     t = cache.scan_len when set (positions beyond it are past every request's length)."""

@@ -20,7 +20,7 @@ import numpy as np
 from flax import nnx
 
 from jlco.model.decoder import DeepseekV32
-from jlco.model.kv_cache import DecodeCache, scan_bucket
+from jlco.model.kv_cache import DecodeCache, prefill_scan
 
 
 def split(model: DeepseekV32):
@@ -52,12 +52,14 @@ def final_logits(graphdef, state, h):
 
 
 def prefill(model, cache: DecodeCache, tokens, prompt_lens=None, *, chunk: int,
-            impl: str = "auto"):
+            impl: str = "auto", scan_len: int | None | str = "auto"):
     """Append prompts to the cache in chunks of `chunk` tokens.
 
     model: a DeepseekV32 or its (graphdef, state) from `split`. tokens [b, L] (int,
     right-padded), prompt_lens [b] (default L; 0 leaves a request untouched). Every chunk
-    has the same shape, so one compilation serves the whole prompt.
+    has the same shape, so one compilation serves the whole prompt. scan_len: "auto"
+    (`kv_cache.prefill_scan` of the positions a chunk sees), or the scan shape to run
+    every chunk with (the engine's warm-up compiles each shape on an empty cache).
     → (logits [b, V] at each request's last prompt token, its hidden [b, d], cache).
     """
     graphdef, state = split(model) if isinstance(model, DeepseekV32) else model
@@ -81,11 +83,9 @@ def prefill(model, cache: DecodeCache, tokens, prompt_lens=None, *, chunk: int,
         width = min(chunk, n - start)
         piece[:, :width] = tokens[:, start:start + width]
         n_new = np.clip(lens - start, 0, chunk).astype(np.int32)
-        # Score only the positions this chunk can see (bucketed): the indexer's cost then
-        # follows the prompt, not the cache's max_len.
         cached = cached + n_new
-        seen = int(cached.max())
-        cache = dataclasses.replace(cache, scan_len=scan_bucket(seen, cache.max_len))
+        scan = prefill_scan(int(cached.max()), cache.max_len) if scan_len == "auto" else scan_len
+        cache = dataclasses.replace(cache, scan_len=scan)
         h, cache = _prefill_chunk(graphdef, state, cache, jnp.asarray(piece),
                                   jnp.asarray(n_new), impl=impl)
         last_h = h if last_h is None else jnp.where(jnp.asarray(n_new > 0)[:, None], h, last_h)

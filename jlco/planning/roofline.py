@@ -1,5 +1,6 @@
-"""Roofline of one decode step: the bytes it must touch and the FLOPs it must do, and the
-shortest time a machine could run it in (max of bytes / bandwidth and FLOPs / peak).
+"""Roofline of one decode step, or of one prompt's whole prefill: the bytes it must touch
+and the FLOPs it must do, and the shortest time a machine could run it in (max of
+bytes / bandwidth and FLOPs / peak).
 
 What one step over a batch of B requests with s_q query tokens each (1 + MTP drafts;
 N = B·s_q tokens) must touch, for the main model (the MTP layer is not counted):
@@ -23,17 +24,43 @@ k routed + the shared experts or the dense FFN, lm_head) · N, plus per token pe
 the indexer scores 2·H·D·(positions it sees) and sparse MLA 2·h·(d_latent + kv_lora)·
 min(topk, positions) (d_latent = kv_lora + rope = 576, kv_lora = 512 for DeepSeek-V3.2).
 
-May import: numpy, `jlco.config`, `jlco.planning.*` (as the rest of the wing).
+A whole prefill of one prompt (`prefill_cost`) is counted piece by piece as the engine
+runs it (`jlco.engine.prefill.pieces`: pieces of at most `engine.prefill_chunk` tokens,
+each computed at its power-of-two bucket width, the last WARMUP_QUERIES queries a piece of
+their own). A piece of q queries on lo cached positions costs what a decode step of s_q = q
+on context lo costs (weights read once per piece, per-token matmuls, the indexer and
+sparse MLA terms growing with position, the lo cached keys read once, the piece's own
+rows and keys counted as cache writes), except that the LM head runs
+on the piece's last token only. `useful` counts the real tokens and the positions each
+really sees; `as_run` what the engine computes: every piece at its padded width, each
+query scoring the whole indexer scan bucket (`jlco.model.kv_cache.scan_bucket` of the
+piece's end, all of `max_context_len` once the bucket reaches it, its keys read once per
+piece per layer) and gathering top-k latent rows. `as_run` is the padded work of the
+sparse design, not a trace of the kernels: a kernel that skips key blocks past the
+length scans fewer keys, and a chunk that attends densely (short contexts,
+`jlco.model.attention.DENSE_MAX_T`) does other attention FLOPs. The indexer logits (an
+activation) are left out, as for decode. Roofline time of a prefill: the sum of its
+pieces' times.
+
+May import: numpy, `jlco.config`, `jlco.planning.*`, `jlco.util` (as the rest of the wing).
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from collections.abc import Sequence
 
 from jlco.config import Config, ModelConfig
 from jlco.planning.hardware import get_hardware
 from jlco.planning.params import param_counts
+from jlco.util.buckets import pow2_bucket
+
+# The engine's prefill shapes (`jlco.engine.prefill`, `jlco.model.kv_cache.scan_bucket`;
+# tests check these copies against it: planning does not import the engine).
+WARMUP_QUERIES = 32
+MIN_PIECE = 16
+MIN_SCAN = 1024
 
 # This 2-core CPU box (measured; see tools/bench_decode.py --mem_gbps / --peak_gflops).
 CPU_MEM_GBPS = 14.9
@@ -206,3 +233,112 @@ def decode_step_cost(cfg: Config, batch: int, contexts: int | Sequence[int],
         * sum(rows),
     )
     return StepRoofline(batch, s_q, ctx, touched, by, fl)
+
+
+# ---- a whole prefill ---------------------------------------------------------------------
+
+def prefill_pieces(n: int, chunk: int, warmup: int = WARMUP_QUERIES) -> list[tuple[int, int, int]]:
+    """The engine's pieces (lo, hi, computed width) of an n-token prompt: what
+    `jlco.engine.prefill.pieces(n, chunk, min(warmup, n))` returns."""
+    w = min(warmup, n)
+    out = [(lo, min(lo + chunk, n - w), pow2_bucket(min(chunk, n - w - lo), MIN_PIECE, chunk))
+           for lo in range(0, n - w, chunk)]
+    if w:
+        out.append((n - w, n, pow2_bucket(w, MIN_PIECE)))
+    return out
+
+
+def scan_positions(n: int, max_len: int) -> int:
+    """Key positions the indexer scores for contexts of at most n positions
+    (`jlco.model.kv_cache.scan_bucket`; its None = all max_len)."""
+    b = pow2_bucket(n, MIN_SCAN)
+    return max_len if b >= max_len else b
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillRoofline:
+    """Bytes and FLOPs of one prompt's prefill, per piece (see the module docstring):
+    `useful[i]` / `as_run[i]` cost `pieces[i]` = (lo, hi, width) with its real tokens /
+    at its padded width; `scans[i]` the key positions its indexer scores."""
+    prompt_len: int
+    chunk: int
+    pieces: tuple[tuple[int, int, int], ...]
+    scans: tuple[int, ...]
+    useful: tuple[StepRoofline, ...]
+    as_run: tuple[StepRoofline, ...]
+
+    def _parts(self, as_run: bool) -> tuple[StepRoofline, ...]:
+        return self.as_run if as_run else self.useful
+
+    def total_bytes(self, as_run: bool = False) -> int:
+        return sum(p.total_bytes for p in self._parts(as_run))
+
+    def total_flops(self, as_run: bool = False) -> int:
+        return sum(p.total_flops for p in self._parts(as_run))
+
+    def by_part(self, as_run: bool = False) -> tuple[dict, dict]:
+        """(bytes, FLOPs) summed over the pieces, by part."""
+        by, fl = collections.Counter(), collections.Counter()
+        for p in self._parts(as_run):
+            by.update(p.bytes)
+            fl.update(p.flops)
+        return dict(by), dict(fl)
+
+    def time_s(self, m: Machine, as_run: bool = False) -> float:
+        """Roofline time: the pieces run one after another, each at its own roofline."""
+        return sum(p.time_s(m) for p in self._parts(as_run))
+
+    def as_dict(self, m: Machine | None = None) -> dict:
+        d = dict(prompt_len=self.prompt_len, chunk=self.chunk,
+                 pieces=[list(p) for p in self.pieces], scans=list(self.scans))
+        for name, run in (("useful", False), ("as_run", True)):
+            by, fl = self.by_part(run)
+            part = dict(bytes=by, flops=fl, total_bytes=self.total_bytes(run),
+                        total_flops=self.total_flops(run))
+            if m is not None:
+                mem = sum(p.memory_s(m) for p in self._parts(run))
+                comp = sum(p.compute_s(m) for p in self._parts(run))
+                part.update(memory_s=mem, compute_s=comp, time_s=self.time_s(m, run),
+                            bound="memory" if mem >= comp else "compute")
+            d[name] = part
+        return d
+
+
+def _piece_cost(cfg: Config, lo: int, queries: int, scan: int | None) -> StepRoofline:
+    """One prefill piece of `queries` query tokens at positions lo, lo + 1, ...: a decode
+    step of s_q = queries on context lo with the LM head on one token. With `scan` (as
+    run) every query scores all `scan` key positions (read once per layer) and gathers
+    top-k rows whatever it sees."""
+    m = cfg.model
+    s = decode_step_cost(cfg, 1, lo, s_q=queries)
+    by, fl = dict(s.bytes), dict(s.flops)
+    fl["matmul"] -= 2 * m.vocab_size * m.hidden_size * (queries - 1)
+    if scan is not None:
+        layers, k = m.num_hidden_layers, m.index_topk
+        by["index_keys"] = layers * scan * index_key_bytes(cfg)
+        by["latent_rows"] = layers * queries * k * cfg.row_bytes
+        fl["indexer_scores"] = layers * 2 * m.index_n_heads * m.index_head_dim * queries * scan
+        fl["sparse_mla"] = (layers * 2 * m.num_attention_heads
+                            * (m.latent_dim + m.kv_lora_rank) * queries * k)
+    return StepRoofline(1, queries, (lo,), s.experts_touched, by, fl)
+
+
+def prefill_cost(cfg: Config, prompt_len: int, chunk: int | None = None,
+                 warmup: int = WARMUP_QUERIES, max_len: int | None = None) -> PrefillRoofline:
+    """Roofline bytes and FLOPs of prefilling one `prompt_len`-token prompt alone, as the
+    engine runs it: pieces of `chunk` (default `engine.prefill_chunk`) with the last
+    `warmup` queries apart, on a cache of `max_len` positions (default
+    `engine.max_context_len`). Main model only (no MTP layer)."""
+    chunk = cfg.engine.prefill_chunk if chunk is None else chunk
+    max_len = cfg.engine.max_context_len if max_len is None else max_len
+    for name, v, low in (("prompt_len", prompt_len, 1), ("chunk", chunk, 1),
+                         ("warmup", warmup, 0), ("max_len", max_len, 1)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < low:
+            raise ValueError(f"{name}={v!r}: allowed an integer >= {low}")
+    if prompt_len > max_len:
+        raise ValueError(f"prompt_len={prompt_len}: allowed at most max_len={max_len}")
+    pcs = tuple(prefill_pieces(prompt_len, chunk, warmup))
+    scans = tuple(scan_positions(hi, max_len) for _, hi, _ in pcs)
+    useful = tuple(_piece_cost(cfg, lo, hi - lo, None) for lo, hi, _ in pcs)
+    as_run = tuple(_piece_cost(cfg, lo, w, sc) for (lo, _, w), sc in zip(pcs, scans))
+    return PrefillRoofline(prompt_len, chunk, pcs, scans, useful, as_run)
