@@ -131,9 +131,10 @@ def memory_plan(cfg, weight_bytes: int) -> list[str]:
         lines.append(f"memory: host pool {gb(pool)} in {cfg.cache.storage} "
                      f"({cfg.hot_buffer_rows} hot rows per request and layer on device)")
     work = prefill_workspace_bytes(cfg)
-    lines.append(f"memory: prefill workspace {gb(work)} (one request at a time: its [1, "
-                 f"{cfg.engine.max_context_len}] cache + one {cfg.engine.prefill_chunk}-token "
-                 "chunk's working set, whatever the prompt's length)")
+    lines.append(f"memory: prefill workspace {gb(work)} (a long prefill and a short one beside "
+                 f"it: two [1, {cfg.engine.max_context_len}] caches + one "
+                 f"{cfg.engine.prefill_chunk}-token chunk's working set, whatever the prompts' "
+                 "lengths)")
     b_off = batch_for_budget(off_cfg, budget, other_bytes=weight_bytes + work)
     b_on = batch_for_budget(on_cfg, budget, other_bytes=weight_bytes + work)
     lines.append(f"memory: device budget {gb(budget)} ({why}): largest batch {b_off} with "

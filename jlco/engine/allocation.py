@@ -145,19 +145,26 @@ def device_cache_bytes(cfg: Config, batch: int) -> int:
 
 
 def prefill_workspace_bytes(cfg: Config) -> int:
-    """Device bytes a prefill holds while it runs, whatever the prompt's length: its
-    one-request [1, max_len] cache (`jlco.engine.prefill.open_cache`) and one chunk's
-    working set: the indexer's streamed key block (per-head logits [chunk, H, block]
-    f32, `jlco.pallas.indexer.ref_key_block`) and the top-k latent rows the chunk's
-    queries attend over, decoded to f32. The engine prefills one request at a time
-    (`jlco.engine.prefill.start`), so this is the whole prefill workspace."""
+    """Device bytes prefills hold while they run, whatever the prompts' lengths: a
+    one-request [1, max_len] cache each (`jlco.engine.prefill.open_cache`) and one chunk's
+    working set. With the plain-XLA ops (`engine.attention_impl` "xla", what "auto" is
+    on CPU): the indexer's streamed key block (its scores [chunk, block] f32,
+    `jlco.pallas.indexer.ref_key_block`, merged with the running top-k; the per-head
+    logits are formed a query tile at a time) and the top-k latent rows the chunk's
+    queries attend over, gathered and decoded to f32. With the kernels: the indexer's
+    score row [chunk, max_len] f32 (sparse MLA reads its rows in the kernel). The engine
+    runs one prefill at a time, and a short one beside it (`prefill.next_job`): two
+    caches and one working set are the whole prefill workspace."""
+    from jlco.pallas import dispatch
     from jlco.pallas.indexer import ref_key_block
-    m, chunk = cfg.model, cfg.engine.prefill_chunk
-    one = jax.eval_shape(lambda: init_cache(cfg, batch=1, max_len=cfg.engine.max_context_len))
-    block = ref_key_block(chunk, m.index_n_heads, cfg.engine.max_context_len, m.index_topk)
-    indexer = 4 * chunk * block * (m.index_n_heads + 2)
+    m, chunk, ctx = cfg.model, cfg.engine.prefill_chunk, cfg.engine.max_context_len
+    one = jax.eval_shape(lambda: init_cache(cfg, batch=1, max_len=ctx))
+    if dispatch.resolve(cfg.engine.attention_impl) != "xla":
+        return 2 * _nbytes(one) + 4 * chunk * ctx
+    block = ref_key_block(chunk, m.index_n_heads, ctx, m.index_topk)
+    indexer = 4 * chunk * (3 * block + 4 * m.index_topk)
     rows = 4 * chunk * m.index_topk * (m.kv_lora_rank + m.qk_rope_head_dim)
-    return _nbytes(one) + indexer + rows
+    return 2 * _nbytes(one) + indexer + rows
 
 
 def _nbytes(tree) -> int:

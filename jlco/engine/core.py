@@ -12,7 +12,7 @@ import time
 from typing import Iterable
 
 from jlco.config import Config
-from jlco.engine.prefill import WARMUP_QUERIES
+from jlco.engine.prefill import WARMUP_QUERIES, next_job
 from jlco.engine.runner import ModelRunner
 from jlco.engine.scheduler import (AdmissionStatus, Request, RequestError, RequestFields,
                                    Scheduler, check_request)
@@ -216,11 +216,11 @@ class Engine:
         """Run prefill pieces, oldest request first, until `budget` prompt positions are
         spent (the first piece always runs; None = run every prefill to its end)."""
         while self._jobs and (budget is None or budget > 0):
-            job = self._jobs[0]
+            job = next_job(self._jobs, self.cfg.engine.prefill_chunk)
             cost = self.runner.prefill_piece(job)
             budget = None if budget is None else budget - cost
             if job.finished:
-                self._jobs.popleft()
+                self._jobs.remove(job)
                 self._append(job.req, *self.runner.finish_prefill(job))
 
     def _page_row(self, req: Request):

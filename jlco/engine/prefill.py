@@ -97,6 +97,20 @@ def with_record(cfg: Config, cache: DecodeCache, width: int) -> DecodeCache:
         (cache_layers(cfg), 1, width, cfg.model.index_topk), -1, jnp.int32))
 
 
+def next_job(jobs, chunk: int) -> PrefillJob:
+    """The prefill to advance among `jobs` (oldest first): the oldest that can finish
+    within a quarter chunk (at least one piece: a short prompt does not wait minutes
+    behind a 128K one), else the oldest. At most two prefills hold a cache at once (the
+    planned workspace, `jlco.engine.allocation.prefill_workspace_bytes`); a piece's
+    shapes, hence its bits, do not depend on the order."""
+    quick = max(chunk // 4, MIN_PIECE)
+    started = sum(j.cache is not None for j in jobs)
+    for job in jobs:
+        if job.pending_cost <= quick and (job.cache is not None or started < 2):
+            return job
+    return jobs[0]
+
+
 @jax.jit
 def oldest_first(record, w):
     """The recorded top-k of a last prefill piece [L, bucket, k] whose first w queries are

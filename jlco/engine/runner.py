@@ -39,6 +39,7 @@ from jlco.model.prefill import final_logits, prefill
 from jlco.offload.latent import STAT_NAMES
 from jlco.offload.metrics import OffloadMetrics
 from jlco.pallas import dispatch
+from jlco.util.memory import release_free_memory
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,6 +176,7 @@ class ModelRunner:
         self._admit(job.cache, job.req.slot, len(job.req.prompt), job.page_row,
                     job.warmup_record())
         job.cache = None
+        release_free_memory()   # the prefill's buffers, back to the OS (jlco.util.memory)
         return first_token(job.logits[None, 0], job.req)
 
     def install(self, temp: DecodeCache, slot: int, n: int, page_row) -> None:

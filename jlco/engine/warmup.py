@@ -30,6 +30,7 @@ from jlco.engine.inputs import StepInputs
 from jlco.engine.prefill import MIN_PIECE
 from jlco.model.kv_cache import prefill_scan, scan_bucket
 from jlco.util.buckets import pow2_bucket
+from jlco.util.memory import release_free_memory
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,11 +103,13 @@ def compile_all(runner, progress: Callable[[int, int, str], None] | None = None)
     total, t0 = len(pieces) + len(scans), time.perf_counter()
     for i, p in enumerate(pieces):
         compile_piece(runner, p.width, p.scan, p.record)
+        release_free_memory()   # each compile leaves ~200 MB free in malloc's arenas
         if progress is not None:
             progress(i + 1, total, f"prefill width {p.width}, scan {p.scan or 'all'}"
                                    f"{', record' if p.record else ''}")
     for i, s in enumerate(scans):
         compile_decode(runner, s)
+        release_free_memory()
         if progress is not None:
             progress(len(pieces) + i + 1, total, f"decode scan {s or 'all'}")
     return {"prefill_shapes": len(pieces), "decode_shapes": len(scans),

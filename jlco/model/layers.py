@@ -84,6 +84,18 @@ def _yarn_mscale(scale: float, mscale: float) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
+def _pow_f32(base: float, exponent: np.ndarray) -> np.ndarray:
+    """base ** exponent (f32) correctly rounded to f32: computed in float64, rounded once.
+
+    Why: an angle is position x inverse frequency, so a relative error e of a frequency
+    becomes an angle error of position x e, growing with context. numpy's f32 `pow` is
+    off by one ulp for some exponents (rope 64, theta 1e4: 4 of 32; via YaRN's blend,
+    2 ulps of inv_freq), which transformers' and DeepSeek's f32 torch `pow` are not: at
+    16K positions that is a 5e-4 rad rotation of those dims on one side only (issue 26,
+    BUILD_NOTES "Long-context parity")."""
+    return (float(base) ** exponent.astype(np.float64)).astype(np.float32)
+
+
 def rope_frequencies(cfg: ModelConfig) -> tuple[np.ndarray, float]:
     """Inverse frequencies [d_rope/2] (f32) and the cos/sin scale (YaRN attention factor).
 
@@ -92,7 +104,7 @@ def rope_frequencies(cfg: ModelConfig) -> tuple[np.ndarray, float]:
     context (floored/ceiled, as DeepSeek's reference and transformers do).
     """
     dim, base = cfg.qk_rope_head_dim, cfg.rope_theta
-    pos_freqs = base ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim))
+    pos_freqs = _pow_f32(base, np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim))
     extra = (1.0 / pos_freqs).astype(np.float32)
     rs = cfg.rope_scaling
     if rs is None:

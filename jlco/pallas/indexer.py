@@ -324,6 +324,7 @@ def indexer_topk(q, weights, k_cache, lengths, topk, *, k_scale=None, key_format
 
 
 REF_BLOCK_ELEMS = 1 << 26   # f32 per-head logits [s_q, H, keys] of one key block (s_q < 16)
+REF_STEP_BLOCK = 16384      # most keys per block of a decode step's stream (s_q < 16)
 REF_CHUNK_MIN_S = 16        # queries from which a call is a prefill chunk (tiled scoring)
 REF_CHUNK_BLOCK = 4096      # keys per block of a chunk's stream (one top-k merge each)
 REF_CHUNK_TILE = 128        # queries per tile of a chunk's block scores
@@ -334,13 +335,15 @@ def ref_key_block(s_q: int, heads: int, length: int, topk: int = 1) -> int:
     prefill chunks (s_q >= REF_CHUNK_MIN_S) REF_CHUNK_BLOCK (at least `topk`): scores
     are formed in tiles (`_chunk_scores`), so the block only sets how often the running
     top-k merges (XLA:CPU's top-k costs 10 ns per element in rows of 1K, 7 ns in rows
-    of 4K). Else s_q·H·block at most REF_BLOCK_ELEMS, at least 256 and `topk`. It
-    depends on the query shape only, never on the batch, so a micro-batch (the
-    host-driven engine) scores with the same block shapes as the whole batch."""
+    of 4K). Else (decode steps) s_q·H·block at most REF_BLOCK_ELEMS and block at most
+    REF_STEP_BLOCK, at least 256 and `topk`: a step of 32 requests at 128K would
+    otherwise form 32 x [H, 128K] logits at once (1.1 GB on the tiny model). It depends
+    on the query shape only, never on the batch, so a micro-batch (the host-driven
+    engine) scores with the same block shapes as the whole batch."""
     if s_q >= REF_CHUNK_MIN_S:
         blk = max(REF_CHUNK_BLOCK, topk)
     else:
-        blk = max(256, REF_BLOCK_ELEMS // max(1, s_q * heads), topk)
+        blk = max(256, min(REF_BLOCK_ELEMS // max(1, s_q * heads), REF_STEP_BLOCK), topk)
     return min(1 << (blk.bit_length() - 1), length)
 
 

@@ -47,6 +47,24 @@ def test_long_prompt_spends_at_most_one_chunk_per_step(cfg, model):
     assert long.tokens == ref.tokens
 
 
+def test_short_prompt_overtakes_a_long_prefill(cfg, model):
+    # A short prompt arriving while a long one prefills gets its first token first (it
+    # does not wait for every chunk of the long one); at most two prefills hold a
+    # cache; both get the tokens they get alone.
+    eng = Engine(cfg, model)
+    long = eng.submit(_tokens(140, 6), 3)
+    eng.step()
+    assert not long.tokens and eng.num_prefilling == 1
+    short = eng.submit(_tokens(10, 7), 3)
+    eng.step()
+    assert short.tokens and not long.tokens, "the short prompt waited for the long one"
+    while eng.step():
+        assert sum(j.cache is not None for j in eng._jobs) <= 2
+    alone = Engine(cfg, model)
+    assert [long.tokens, short.tokens] == [
+        r.tokens for r in alone.generate([_tokens(140, 6), _tokens(10, 7)], 3)]
+
+
 def test_abort_during_prefill_frees_slot_and_pages(cfg, model):
     eng = Engine(cfg, model)
     req = eng.submit(_tokens(120, 3), 4)
