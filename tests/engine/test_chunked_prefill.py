@@ -92,3 +92,23 @@ def test_host_pool_above_the_machines_ram_is_refused(cfg, monkeypatch):
         runner.allocate_cache(cfg)
     monkeypatch.setattr(runner, "physical_memory_bytes", lambda: 1 << 40)
     runner.allocate_cache(cfg)
+
+
+def test_long_prompts_past_the_pool_wait_and_finish(cfg, model):
+    # More long prompts than the host pool holds: the ones that fit are admitted, the
+    # rest wait for pages (the server refuses past its queue: 429), at most two prefill
+    # caches are ever live (the planned workspace), and every request finishes.
+    from jlco.engine.scheduler import RequestError
+    eng = Engine(cfg, model)
+    with pytest.raises(RequestError, match="max_context_len"):
+        eng.submit(_tokens(cfg.engine.max_context_len, 9), 1)      # longer than the context
+    reqs = [eng.submit(_tokens(150, 10 + i), 2) for i in range(5)]
+    peak_jobs = peak_live = 0
+    while eng.step():
+        peak_jobs = max(peak_jobs, eng.num_prefilling)
+        peak_live = max(peak_live, sum(j.cache is not None for j in eng._jobs))
+        assert len(eng.scheduler.waiting) >= 5 - cfg.engine.max_batch_size - sum(
+            r.status == "finished" for r in reqs)
+    assert all(r.status == "finished" and len(r.tokens) == 2 for r in reqs)
+    assert peak_jobs <= cfg.engine.max_batch_size and peak_live <= 2
+    eng.check_no_leaks()
