@@ -135,8 +135,8 @@ def memory_plan(cfg, weight_bytes: int) -> list[str]:
                  f"it: two [1, {cfg.engine.max_context_len}] caches + one "
                  f"{cfg.engine.prefill_chunk}-token chunk's working set, whatever the prompts' "
                  "lengths)")
-    b_off = batch_for_budget(off_cfg, budget, other_bytes=weight_bytes + work)
-    b_on = batch_for_budget(on_cfg, budget, other_bytes=weight_bytes + work)
+    b_off = batch_for_budget(off_cfg, budget, other_bytes=weight_bytes)
+    b_on = batch_for_budget(on_cfg, budget, other_bytes=weight_bytes)
     lines.append(f"memory: device budget {gb(budget)} ({why}): largest batch {b_off} with "
                  f"offload off, {b_on} with offload on (x{b_on / max(b_off, 1):.1f})")
     return lines
