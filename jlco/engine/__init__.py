@@ -6,7 +6,8 @@ asks), `steps` (the one decode step: open_step / model / close_step, install, wa
 `inputs` (the per-step input pytree, the step's output), `sampling` (filters, draw,
 speculative verify), `host_driven` (the same step as host-driven phases), `speculative`
 (MTP drafts, the verify seam), `allocation` (cache allocation and sizing), `prefill`
-(prefill jobs), `transfer` (PD wire format) and `synthetic` (PD-style contexts).
+(prefill jobs, which one runs next), `warmup` (every prefill and decode shape compiled
+before serving), `transfer` (PD wire format) and `synthetic` (PD-style contexts).
 
 May import: everything below it (`jlco.model`, `jlco.offload`, `jlco.pallas` (the
 kernel choice), `jlco.parallel` (the mesh), `jlco.config`, `jlco.planning.trace`,
