@@ -15,10 +15,8 @@ import numpy as np
 from jlco.config import Config
 from jlco.engine.scheduler import Request
 from jlco.model.kv_cache import DecodeCache, cache_layers, init_cache
-from jlco.util.buckets import pow2_bucket
+from jlco.util.buckets import MIN_PIECE, WARMUP_QUERIES, prompt_pieces  # noqa: F401
 
-WARMUP_QUERIES = 32   # ESS: top-k of the last 32 prefill query positions
-MIN_PIECE = 16        # smallest prefill piece shape (fewer distinct compiled shapes)
 
 
 @dataclasses.dataclass(eq=False)
@@ -57,17 +55,7 @@ class PrefillJob:
         return None if rec is None else oldest_first(rec[:, 0], jnp.int32(self.warmup_width))
 
 
-def pieces(n: int, chunk: int, warmup: int) -> list[tuple[int, int, int]]:
-    """Prompt pieces (lo, hi, compiled width) of an n-token prompt. Each piece computes a
-    power-of-two bucket of its width (at most `chunk`): a short prompt does not pay for
-    a whole chunk, and the compiled shapes stay few. The last `warmup` queries run as
-    one piece (its bucket: the recorded top-k sets have the piece's shape)."""
-    out = [(lo, min(lo + chunk, n - warmup), pow2_bucket(min(chunk, n - warmup - lo), MIN_PIECE,
-                                                         chunk))
-           for lo in range(0, n - warmup, chunk)]
-    if warmup:
-        out.append((n - warmup, n, pow2_bucket(warmup, MIN_PIECE)))
-    return out
+pieces = prompt_pieces   # (lo, hi, compiled width) per piece: `jlco.util.buckets`
 
 
 def start(cfg: Config, req: Request, page_row, max_len: int, warmup_queries: int,

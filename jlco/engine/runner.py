@@ -176,7 +176,8 @@ class ModelRunner:
         self._admit(job.cache, job.req.slot, len(job.req.prompt), job.page_row,
                     job.warmup_record())
         job.cache = None
-        release_free_memory()   # the prefill's buffers, back to the OS (jlco.util.memory)
+        if len(job.req.prompt) >= self.cfg.engine.prefill_chunk:
+            release_free_memory()   # a long prefill's buffers, back to the OS (util.memory)
         return first_token(job.logits[None, 0], job.req)
 
     def install(self, temp: DecodeCache, slot: int, n: int, page_row) -> None:

@@ -29,7 +29,7 @@ from jlco.config import Config
 from jlco.model.fp8_emul import quantize_e4m3
 from jlco.offload import latent as offload_latent
 from jlco.parallel.data import DATA_AXIS
-from jlco.util.buckets import pow2_bucket
+from jlco.util.buckets import MIN_SCAN, pow2_bucket
 
 
 @partial(jax.tree_util.register_dataclass,
@@ -183,7 +183,7 @@ def write_index_key(cache: DecodeCache, layer: int, k: jax.Array,
         return dataclasses.replace(cache, index_k=_scatter(cache.index_k, layer, positions, vals))
 
 
-def scan_bucket(n: int, max_len: int, minimum: int = 1024) -> int | None:
+def scan_bucket(n: int, max_len: int, minimum: int = MIN_SCAN) -> int | None:
     """The `DecodeCache.scan_len` for contexts of at most n positions: the next power of
     two (at least `minimum`), or None when that reaches max_len (scan everything)."""
     b = pow2_bucket(n, minimum)

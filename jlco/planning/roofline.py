@@ -54,13 +54,7 @@ from collections.abc import Sequence
 from jlco.config import Config, ModelConfig
 from jlco.planning.hardware import get_hardware
 from jlco.planning.params import param_counts
-from jlco.util.buckets import pow2_bucket
-
-# The engine's prefill shapes (`jlco.engine.prefill`, `jlco.model.kv_cache.scan_bucket`;
-# tests check these copies against it: planning does not import the engine).
-WARMUP_QUERIES = 32
-MIN_PIECE = 16
-MIN_SCAN = 1024
+from jlco.util.buckets import MIN_PIECE, MIN_SCAN, WARMUP_QUERIES, prompt_pieces, pow2_bucket  # noqa: F401
 
 # This 2-core CPU box (measured; see tools/bench_decode.py --mem_gbps / --peak_gflops).
 CPU_MEM_GBPS = 14.9
@@ -238,14 +232,9 @@ def decode_step_cost(cfg: Config, batch: int, contexts: int | Sequence[int],
 # ---- a whole prefill ---------------------------------------------------------------------
 
 def prefill_pieces(n: int, chunk: int, warmup: int = WARMUP_QUERIES) -> list[tuple[int, int, int]]:
-    """The engine's pieces (lo, hi, computed width) of an n-token prompt: what
-    `jlco.engine.prefill.pieces(n, chunk, min(warmup, n))` returns."""
-    w = min(warmup, n)
-    out = [(lo, min(lo + chunk, n - w), pow2_bucket(min(chunk, n - w - lo), MIN_PIECE, chunk))
-           for lo in range(0, n - w, chunk)]
-    if w:
-        out.append((n - w, n, pow2_bucket(w, MIN_PIECE)))
-    return out
+    """The engine's pieces (lo, hi, computed width) of an n-token prompt
+    (`jlco.util.buckets.prompt_pieces` with min(warmup, n) queries apart)."""
+    return prompt_pieces(n, chunk, min(warmup, n))
 
 
 def scan_positions(n: int, max_len: int) -> int:

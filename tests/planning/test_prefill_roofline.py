@@ -1,6 +1,6 @@
 """jlco.planning.roofline.prefill_cost: a whole prompt's prefill, piece by piece as the
-engine runs it, checked against counts made by hand on a tiny config, and its copies of
-the engine's piece and scan-bucket shapes against the engine's own."""
+engine runs it, checked against counts made by hand on a tiny config, and its piece and
+scan-bucket shapes against the engine's own."""
 import dataclasses
 
 import pytest
