@@ -335,6 +335,11 @@ class CacheConfig:
     fetch_path:        how misses reach the device ("auto" = measured default per backend).
     host_headroom:     fraction of extra host memory kept free (the design requires at
                        least 30 %).
+    prefix_cache:      keep the full pages of finished prefills in host memory and
+                       prefill a prompt that starts with one from there on (multi-turn
+                       sessions reuse their history; exact: jlco.engine.prefix).
+    prefix_cache_tokens: positions the prefix cache holds at most (least recently used
+                       pages go first); 0 = 2 x engine.max_context_len.
     """
     offload: bool = False
     storage: str = "pinned_host"
@@ -348,6 +353,8 @@ class CacheConfig:
     fetch_path: str = "auto"
     host_headroom: float = 0.3
     indexer_key_format: str = "bf16"
+    prefix_cache: bool = True
+    prefix_cache_tokens: int = 0
 
     def __post_init__(self):
         p = "cache"
@@ -366,6 +373,9 @@ class CacheConfig:
                f"{p}.fetch_chunk_rows", self.fetch_chunk_rows, "an integer >= 0")
         _check(0.3 <= self.host_headroom <= 4.0, f"{p}.host_headroom", self.host_headroom,
                "0.3..4.0 (the design requires at least 30 % host headroom)")
+        _check(isinstance(self.prefix_cache_tokens, int) and self.prefix_cache_tokens >= 0,
+               f"{p}.prefix_cache_tokens", self.prefix_cache_tokens,
+               "an integer >= 0 (0 = 2 x engine.max_context_len)")
 
 
 @dataclasses.dataclass(frozen=True)

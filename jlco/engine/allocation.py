@@ -56,16 +56,20 @@ def physical_memory_bytes() -> int | None:
 def check_host_memory(cfg: Config, pool_bytes: int) -> None:
     """Refuse a host pool in memory (not `storage="file"`) above HOST_MEMORY_LIMIT of the
     machine's RAM: it would swap or be killed mid-run. On a CPU-only process the prefill
-    workspace (`prefill_workspace_bytes`) is host memory too and counts beside it. A
-    ValueError names the fields."""
+    workspace (`prefill_workspace_bytes`) is host memory too and counts beside it, as
+    does a full prefix cache (`prefix_cache_bytes`). A ValueError names the fields."""
     ram = physical_memory_bytes()
     if cfg.cache.storage == "file" or ram is None:
         return
     cpu = all(d.platform == "cpu" for d in jax.devices())
     work = prefill_workspace_bytes(cfg) if cpu else 0
-    if pool_bytes + work <= HOST_MEMORY_LIMIT * ram:
+    cached = prefix_cache_bytes(cfg)
+    if pool_bytes + work + cached <= HOST_MEMORY_LIMIT * ram:
         return
     also = f" (+ {work / 1e9:.1f} GB of prefill workspace)" if work else ""
+    if cached:
+        also += (f" (+ {cached / 1e9:.1f} GB of prefix cache: cache.prefix_cache_tokens="
+                 f"{cfg.cache.prefix_cache_tokens})")
     raise ValueError(
         f"the host pool needs {pool_bytes / 1e9:.1f} GB{also}, above {HOST_MEMORY_LIMIT:.0%} "
         f"of this machine's {ram / 1e9:.1f} GB of RAM: lower engine.max_batch_size "
@@ -165,6 +169,22 @@ def prefill_workspace_bytes(cfg: Config) -> int:
     indexer = 4 * chunk * (3 * block + 4 * m.index_topk)
     rows = 4 * chunk * m.index_topk * (m.kv_lora_rank + m.qk_rope_head_dim)
     return 2 * _nbytes(one) + indexer + rows
+
+
+def prefix_pages(cfg: Config) -> int:
+    """Pages the prefix cache holds at most (`cache.prefix_cache_tokens`, 0 = two full
+    contexts: a session at max_context_len and the one before it)."""
+    tokens = cfg.cache.prefix_cache_tokens or 2 * cfg.engine.max_context_len
+    return -(-tokens // cfg.cache.page_size)
+
+
+def prefix_cache_bytes(cfg: Config) -> int:
+    """Host bytes of a full prefix cache: every cache layer's latent row, indexer key
+    and scale per position (`jlco.engine.prefix.PageEntry`), 0 when it is off."""
+    if not cfg.cache.prefix_cache:
+        return 0
+    one = jax.eval_shape(lambda: init_cache(cfg, batch=1, max_len=cfg.cache.page_size))
+    return prefix_pages(cfg) * (_nbytes(one) - _nbytes(one.lengths))
 
 
 def _nbytes(tree) -> int:

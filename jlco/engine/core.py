@@ -261,6 +261,16 @@ class Engine:
         from jlco.engine import warmup
         return warmup.warm_up(self, progress, WARMUP_PROMPT)
 
+    def reset_prefix_cache(self) -> int:
+        """Drop every cached prefix page (vLLM's /reset_prefix_cache) → how many; 0 with
+        cache.prefix_cache off. Prefills in progress keep what they loaded."""
+        return 0 if self.runner.prefix is None else self.runner.prefix.reset()
+
+    def prefix_stats(self) -> dict | None:
+        """The prefix cache's counters {"queries", "hits" (prompt tokens), "pages",
+        "bytes"}, None with cache.prefix_cache off."""
+        return None if self.runner.prefix is None else self.runner.prefix.stats()
+
     def check_no_leaks(self) -> None:
         """Every slot and page is owned by a running request (and nothing else), and every
         prefill in progress belongs to one."""

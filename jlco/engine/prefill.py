@@ -1,7 +1,9 @@
 """A request's prefill as the runner runs it: alone, on a one-request device cache, in
-pieces whose shapes depend on the prompt only (chunk shapes change float reduction order,
-and offload on must equal offload off, a served request the same request alone, bit for
-bit), with the last queries' top-k sets recorded to warm the hot buffer at admission.
+pieces fixed by position (`jlco.util.buckets.prompt_pieces`: chunk shapes change float
+reduction order, and offload on must equal offload off, a served request the same request
+alone, a reused prefix the prefill it replaces, bit for bit), resuming after a reused
+prefix (`jlco.engine.prefix`), with the last queries' top-k sets recorded to warm the hot
+buffer at admission.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ import numpy as np
 from jlco.config import Config
 from jlco.engine.scheduler import Request
 from jlco.model.kv_cache import DecodeCache, cache_layers, init_cache
-from jlco.util.buckets import MIN_PIECE, WARMUP_QUERIES, prompt_pieces  # noqa: F401
+from jlco.util.buckets import (MIN_PIECE, WARMUP_QUERIES, piece_grid,  # noqa: F401
+                               prompt_pieces, record_rows)
 
 
 
@@ -33,6 +36,24 @@ class PrefillJob:
     done_pieces: int = 0
     logits: jax.Array | None = None           # at the last prompt position so far
     hidden: jax.Array | None = None           # its final hidden state [1, d]
+    warmup: int = 0                           # queries whose top-k warm the hot buffer
+    hit: object = None                        # the reused prefix (`prefix.PrefixHit`)
+    piece_hidden: jax.Array | None = None     # MTP: the last piece's hidden [1, w, d]
+    prev_records: list = dataclasses.field(default_factory=list)  # earlier pieces' records
+
+    def reuse(self, hit) -> None:
+        """Skip the pieces a reused prefix (`prefix.PrefixHit`) covers; before the first
+        piece runs (matched then, not at admission: a prompt admitted beside the one that
+        will cache its prefix finds it once that one has finished)."""
+        assert self.done_pieces == 0 and self.cache is None, "reuse: the prefill has started"
+        if hit.tokens:
+            self.pieces = [p for p in self.pieces if p[0] >= hit.tokens]
+            self.hit = hit
+
+    @property
+    def resume(self) -> int:
+        """Prompt positions reused from the prefix cache (the first piece's lo)."""
+        return self.pieces[0][0] if self.pieces else 0
 
     @property
     def finished(self) -> bool:
@@ -43,33 +64,64 @@ class PrefillJob:
         """Padded prompt positions left to compute."""
         return sum(c for _, _, c in self.pieces[self.done_pieces:])
 
+    def record_shape(self, i: int) -> tuple[int, int] | None:
+        """(rows, first row) of piece i's top-k record, or None when it records nothing.
+        A piece records its last real queries (at most `record_rows(warmup)`); the last
+        pieces record, as many as hold the prompt's last `warmup` queries."""
+        if not self.record or i < self._recording_from():
+            return None
+        lo, hi, width = self.pieces[i]
+        rows = min(record_rows(self.warmup), width)
+        return rows, max(0, hi - lo - rows)
+
+    def _recording_from(self) -> int:
+        need, i = self.warmup, len(self.pieces)
+        while i > 0 and need > 0:
+            i -= 1
+            need -= self.pieces[i][1] - self.pieces[i][0]
+        return i
+
     @property
     def warmup_width(self) -> int:
-        """Queries of the last piece (those whose top-k sets warm the hot buffer)."""
-        return self.pieces[-1][1] - self.pieces[-1][0]
+        """Real queries in the warm-up record (those whose top-k sets warm the buffer)."""
+        if not self.record:
+            return 0
+        lo, hi, _ = self.pieces[-1]
+        before = sum(r.shape[2] for r in self.prev_records)
+        return min(self.warmup, before + min(self.record_shape(len(self.pieces) - 1)[0], hi - lo))
 
-    def warmup_record(self) -> jax.Array | None:
-        """The recorded top-k of the last piece, oldest query first [L, bucket, k]
-        (`oldest_first`), or None when nothing was recorded."""
+    def warmup_record(self) -> np.ndarray | None:
+        """The top-k of the prompt's last `warmup_width` queries, oldest first, in a
+        [L, record_rows(warmup), k] buffer (-1 rows before them: no lookups), or None
+        when nothing was recorded. Joined on the host: one warm-up shape per row count,
+        whatever the pieces."""
         rec = self.cache.record
-        return None if rec is None else oldest_first(rec[:, 0], jnp.int32(self.warmup_width))
+        if rec is None:
+            return None
+        lo, hi, _ = self.pieces[-1]
+        parts = jax.device_get([r[:, 0] for r in self.prev_records] + [rec[:, 0]])
+        real = min(rec.shape[2], hi - lo)
+        return recent_queries(parts[:-1], parts[-1][:, :real], self.warmup_width,
+                              record_rows(self.warmup))
 
 
-pieces = prompt_pieces   # (lo, hi, compiled width) per piece: `jlco.util.buckets`
+def pieces(cfg: Config, n: int) -> list[tuple[int, int, int]]:
+    """(lo, hi, compiled width) of an n-token prompt's pieces (`prompt_pieces`)."""
+    chunk = cfg.engine.prefill_chunk
+    return prompt_pieces(n, chunk, piece_grid(cfg.cache.page_size, chunk))
 
 
 def start(cfg: Config, req: Request, page_row, max_len: int, warmup_queries: int,
           record: bool) -> PrefillJob:
     """A job for `req.prompt`; with `record` the last piece's top-k sets are kept (for
-    the offload warm-up or a PD export). Its one-request cache is allocated by
-    `open_cache` when its first piece runs, not here: the engine admits many requests
-    at once but prefills them one after another (oldest first), so only the prefill
-    that computes holds a cache (the workspace admission plans for, one request's)."""
+    the offload warm-up or a PD export). Its one-request cache is allocated by `open_cache` when its first piece runs, not here:
+    the engine admits many requests at once but prefills them one after another (oldest
+    first), so only the prefill that computes holds a cache (the workspace admission
+    plans for, one request's)."""
     n = len(req.prompt)
     w = min(warmup_queries, n)
-    job_pieces = pieces(n, cfg.engine.prefill_chunk, w)
-    return PrefillJob(req, page_row, None, np.asarray([req.prompt], np.int32), job_pieces,
-                      record=bool(w and record), max_len=max_len)
+    return PrefillJob(req, page_row, None, np.asarray([req.prompt], np.int32), pieces(cfg, n),
+                      record=bool(w and record), max_len=max_len, warmup=w)
 
 
 def open_cache(cfg: Config, max_len: int) -> DecodeCache:
@@ -77,12 +129,14 @@ def open_cache(cfg: Config, max_len: int) -> DecodeCache:
     return init_cache(cfg, batch=1, max_len=max_len)
 
 
-def with_record(cfg: Config, cache: DecodeCache, width: int) -> DecodeCache:
-    """The cache with an empty record buffer [L, 1, width, k] for a last piece of
-    compiled width `width`. Only the last piece carries it: the record is part of the
-    compiled shape, so the other pieces compile once whatever the prompt's last piece."""
+def with_record(cfg: Config, cache: DecodeCache, rows: int, first: int) -> DecodeCache:
+    """The cache with an empty record buffer [L, 1, rows, k] keeping the top-k of query
+    rows first .. first + rows - 1 of a last piece. Only the last piece carries it: the
+    record is part of the compiled shape, so the other pieces compile once whatever the
+    prompt's last piece."""
     return dataclasses.replace(cache, record=jnp.full(
-        (cache_layers(cfg), 1, width, cfg.model.index_topk), -1, jnp.int32))
+        (cache_layers(cfg), 1, rows, cfg.model.index_topk), -1, jnp.int32),
+        record_from=jnp.int32(first))
 
 
 def next_job(jobs, chunk: int) -> PrefillJob:
@@ -99,11 +153,14 @@ def next_job(jobs, chunk: int) -> PrefillJob:
     return jobs[0]
 
 
-@jax.jit
-def oldest_first(record, w):
-    """The recorded top-k of a last prefill piece [L, bucket, k] whose first w queries are
-    real: those w last (oldest first), the padding queries before them as -1 (no lookups),
-    so the warm-up stamps query j at step - w + j whatever the bucket."""
-    bucket = record.shape[1]
-    real = jnp.where((jnp.arange(bucket) < w)[None, :, None], record, -1)
-    return jnp.roll(real, bucket - w, axis=1)
+def recent_queries(earlier: list, last: np.ndarray, count: int, rows: int) -> np.ndarray:
+    """The top-k sets of the prompt's last `count` queries, oldest first, as int32
+    [L, rows, k] with -1 rows before them (no lookups): so the warm-up stamps query j at
+    step - rows + j whatever the pieces. earlier: the records [L, a, k] of the pieces
+    before the last that recorded (all their rows real), oldest first; last [L, b, k]:
+    the last piece's real rows."""
+    both = np.concatenate([*earlier, last], axis=1)[:, max(0, sum(
+        e.shape[1] for e in earlier) + last.shape[1] - count):]
+    out = np.full((both.shape[0], rows, both.shape[2]), -1, np.int32)
+    out[:, rows - both.shape[1]:] = both
+    return out

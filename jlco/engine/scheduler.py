@@ -66,6 +66,7 @@ class Request:
     finish_reason: str | None = None  # one of FINISH_REASONS once done
     num_drafted: int = 0             # speculative decoding: draft tokens proposed for it
     num_accepted: int = 0            # ... and accepted
+    cached_tokens: int = 0           # prompt positions reused from the prefix cache
 
     @property
     def done(self) -> bool:

@@ -233,27 +233,47 @@ def prefill_with_mtp(model, cache, prompt: np.ndarray, lo: int, hi: int, *, chun
     `chunk` (the shapes `jlco.model.prefill` uses), and after each chunk the MTP block over
     the same positions with the following prompt token. The last prompt position's
     follower is the first generated token: its MTP row is written by the first
-    speculative step. → (logits [1, V] at position hi-1, its hidden [1, d], cache)."""
+    speculative step. → (logits [1, V] at position hi-1, its hidden [1, d], cache, the
+    last chunk's hidden [1, chunk, d])."""
     graphdef, state = model
     n = prompt.shape[1]
-    last_h = None
+    last_h = h = None
     for start in range(lo, hi, chunk):
         width = min(chunk, hi - start)
         piece = np.zeros((1, chunk), np.int32)
         piece[:, :width] = prompt[:, start:start + width]
-        follow = np.zeros((1, chunk), np.int32)
-        nxt = prompt[:, start + 1:min(start + chunk + 1, n)]
-        follow[:, :nxt.shape[1]] = nxt
         # Both blocks scan the keys as `jlco.model.prefill` does (`scan_len` likewise).
-        scan = prefill_scan(start + width, cache.max_len) if scan_len == "auto" else scan_len
+        scan = prefill_scan(start + chunk, cache.max_len) if scan_len == "auto" else scan_len
         cache = dataclasses.replace(cache, scan_len=scan)
         h, cache = _main_chunk(graphdef, state, cache, jnp.asarray(piece),
                                jnp.asarray([width], jnp.int32), impl=impl)
-        cache = _mtp_chunk(graphdef, state, cache, h, jnp.asarray(follow),
+        cache = _mtp_chunk(graphdef, state, cache, h, _followers(prompt, start, chunk, n),
                            jnp.asarray([start], jnp.int32), impl=impl)
         cache = dataclasses.replace(cache, scan_len=None)
         last_h = h[:, width - 1]
-    return final_logits(graphdef, state, last_h), last_h, cache
+    return final_logits(graphdef, state, last_h), last_h, cache, h
+
+
+def _followers(prompt: np.ndarray, start: int, chunk: int, n: int) -> jax.Array:
+    """The MTP block's next tokens [1, chunk] for positions start .. (0 past the prompt)."""
+    follow = np.zeros((1, chunk), np.int32)
+    nxt = prompt[:, start + 1:min(start + chunk + 1, n)]
+    follow[:, :nxt.shape[1]] = nxt
+    return jnp.asarray(follow)
+
+
+def mtp_fixup(model, cache, prompt: np.ndarray, lo: int, hidden: np.ndarray, *, impl: str):
+    """The MTP block of the piece lo .. lo + w - 1 again, from that piece's main hidden
+    states [w, d] (kept by the prefix cache) and the followers `prompt` [1, n] has now:
+    a cached prefix whose last position ended its own prompt gets that position's MTP
+    row exactly as a prefill of this prompt computes it (`prefill_with_mtp`)."""
+    graphdef, state = model
+    w = hidden.shape[0]
+    cache = dataclasses.replace(cache, scan_len=prefill_scan(lo + w, cache.max_len))
+    cache = _mtp_chunk(graphdef, state, cache, jnp.asarray(hidden)[None],
+                       _followers(prompt, lo, w, prompt.shape[1]),
+                       jnp.asarray([lo], jnp.int32), impl=impl)
+    return dataclasses.replace(cache, scan_len=None)
 
 
 class Speculator:
@@ -285,6 +305,7 @@ class Speculator:
         self.graphdef, self.state, self.impl = runner.graphdef, runner.state, runner.impl
         self.batch, self.offload, self.vocab = runner.batch, runner.offload, cfg.model.vocab_size
         self.metrics = SpecMetrics()
+        self.piece_hidden = None   # the last prefill piece's main hidden [1, w, d]
         # Committed to the device like the step's outputs: an uncommitted first input
         # would make the second step compile again.
         self.pend_h = jax.device_put(
@@ -308,8 +329,8 @@ class Speculator:
         (`req` None: a warm-up compile, nothing remembered)."""
         model = (self.graphdef, self.state)
         if self.drafter.needs_mtp_cache:
-            logits, h, temp = prefill_with_mtp(model, temp, prompt, lo, hi, chunk=chunk,
-                                               impl=self.impl, scan_len=scan_len)
+            logits, h, temp, self.piece_hidden = prefill_with_mtp(
+                model, temp, prompt, lo, hi, chunk=chunk, impl=self.impl, scan_len=scan_len)
         else:
             logits, h, temp = prefill(model, temp, prompt[:, lo:hi], chunk=chunk,
                                       impl=self.impl, scan_len=scan_len)

@@ -3,13 +3,14 @@ for a compile (a first request at a new prompt length used to: 8.7 s TTFT agains
 53 ms median).
 
 What varies between calls, and so between compiled programs:
-  prefill pieces (`jlco.engine.prefill.pieces`): the compiled width (a power of two
-    from MIN_PIECE up to engine.prefill_chunk, which caps it) × the scan shape
-    (`kv_cache.prefill_scan`: the scan buckets up to DENSE_MAX_T, then None) × for
-    the last piece (the last WARMUP_QUERIES queries, their own width) whether it
-    records its top-k sets (offload: always);
+  prefill pieces (`jlco.engine.prefill.pieces`): the compiled width (engine.prefill_chunk
+    for whole chunks, the page grid `piece_grid` for the tail) × the scan shape
+    (`kv_cache.prefill_scan` of the piece's end: the scan buckets up to DENSE_MAX_T,
+    then None) × for a last piece whether it records its top-k sets (offload: always);
   decode steps (plain or speculative): the scan bucket of the longest running context
-    (`kv_cache.scan_bucket`).
+    (`kv_cache.scan_bucket`);
+  prefix reuse (`jlco.engine.prefix`): one load and one read program, and with MTP the
+    fix-up, whose shapes are those of the prefill pieces.
 A prefill shape runs once on an empty one-request cache with one real token: the indexer
 skips key blocks past the length and attention reads few rows, so a 4096-query piece at
 the 128K scan shape costs its compile, not a 128K prefill. A decode shape runs as a step
@@ -27,9 +28,8 @@ import numpy as np
 
 from jlco.engine import prefill as engine_prefill
 from jlco.engine.inputs import StepInputs
-from jlco.engine.prefill import MIN_PIECE
 from jlco.model.kv_cache import prefill_scan, scan_bucket
-from jlco.util.buckets import pow2_bucket
+from jlco.util.buckets import piece_grid, record_rows
 from jlco.util.memory import release_free_memory
 
 
@@ -38,11 +38,6 @@ class PieceShape:
     width: int             # compiled query positions
     scan: int | None       # the cache's scan_len (None: all max_len)
     record: bool           # carries the top-k record buffer (a recording last piece)
-
-
-def _widths(lo: int, hi: int, cap: int = 0) -> list[int]:
-    """Compiled widths `pow2_bucket(r, MIN_PIECE, cap)` of real widths r in lo..hi."""
-    return sorted({pow2_bucket(r, MIN_PIECE, cap) for r in _bounds(lo, hi)})
 
 
 def _bounds(lo: int, hi: int) -> list[int]:
@@ -61,29 +56,27 @@ def _scans(first: int, max_len: int, rule, last: int | None = None) -> list[int 
                   key=lambda s: max_len if s is None else s)
 
 
-def _min_real(width: int) -> int:
-    """The shortest real width whose bucket is `width` (a context at least that long)."""
-    return 1 if width <= MIN_PIECE else width // 2 + 1
-
-
-def prefill_shapes(chunk: int, max_len: int, warmup_queries: int, record: bool
-                   ) -> list[PieceShape]:
-    """Every prefill piece shape a prompt of 1 .. max_len - 1 tokens can run."""
-    shapes = [PieceShape(w, s, False) for w in _widths(1, min(chunk, max_len), chunk)
-              for s in _scans(_min_real(w), max_len, prefill_scan)]
-    if warmup_queries:   # a last piece narrower than the warm-up's is the whole prompt
-        full = pow2_bucket(warmup_queries, MIN_PIECE)
-        shapes += [PieceShape(w, s, record) for w in _widths(1, warmup_queries)
-                   for s in _scans(_min_real(w), max_len, prefill_scan, None if w == full else w)]
+def prefill_shapes(chunk: int, grid: int, max_len: int, record: bool) -> list[PieceShape]:
+    """Every prefill piece shape a prompt of 1 .. max_len - 1 tokens can run: whole
+    chunks end at chunk, 2·chunk, ...; tail pieces of `grid` at any grid step. Either
+    can be a prompt's last piece, which records when `record`."""
+    shapes = []
+    for width in dict.fromkeys((min(chunk, max_len), grid)):
+        for s in _scans(width, max_len, prefill_scan):
+            shapes += [PieceShape(width, s, False)] + ([PieceShape(width, s, True)] * record)
     return list(dict.fromkeys(shapes))
 
 
-def warmup_prompts(warmup_queries: int, max_prompt: int, longest: int) -> list[int]:
-    """Prompt lengths of the warm-up requests: one per last-piece width (the record's
-    shape is also that of the admission's hot-buffer warm-up and `oldest_first`) and
-    one of `longest` tokens, each at most `max_prompt`."""
-    lengths = {_min_real(w) for w in _widths(1, warmup_queries)} if warmup_queries else set()
-    return sorted(min(n, max_prompt) for n in lengths | {longest})
+def warmup_prompts(cfg, max_prompt: int, longest: int) -> list[list[int]]:
+    """The warm-up requests: a prompt whose last piece is a tail piece and one whose last
+    piece is a whole chunk (the record's shape is also that of the admission's
+    hot-buffer warm-up and `prefill.recent_queries`), one of `longest` tokens, and a prompt that
+    extends one ending on a page (a prefix reuse, with the MTP fix-up), each at most
+    `max_prompt` tokens."""
+    page, chunk = cfg.cache.page_size, cfg.engine.prefill_chunk
+    lengths = sorted({min(n, max_prompt) for n in (1, chunk, longest, 2 * page, 3 * page)})
+    vocab = cfg.model.vocab_size
+    return [[(7 * i) % vocab for i in range(n)] for n in lengths]
 
 
 def decode_scans(max_len: int, s_q: int = 1) -> list[int | None]:
@@ -96,8 +89,9 @@ def compile_all(runner, progress: Callable[[int, int, str], None] | None = None)
     the persistent compilation cache) → {"prefill_shapes", "decode_shapes", "seconds"}.
     progress(done, total, what) after each."""
     cfg = runner.cfg
-    pieces = prefill_shapes(cfg.engine.prefill_chunk, runner.max_len, runner.warmup_queries,
-                            runner.offload)
+    chunk = cfg.engine.prefill_chunk
+    pieces = prefill_shapes(chunk, piece_grid(cfg.cache.page_size, chunk), runner.max_len,
+                            runner.offload and runner.warmup_queries > 0)
     s_q = 1 + cfg.engine.num_draft_tokens
     scans = decode_scans(runner.max_len, s_q)
     total, t0 = len(pieces) + len(scans), time.perf_counter()
@@ -120,7 +114,8 @@ def compile_piece(runner, width: int, scan: int | None, record: bool) -> None:
     """Run a prefill piece of this shape once, on an empty cache with one token."""
     cache = engine_prefill.open_cache(runner.cfg, runner.max_len)
     if record:
-        cache = engine_prefill.with_record(runner.cfg, cache, width)
+        rows = min(record_rows(runner.warmup_queries), width)
+        cache = engine_prefill.with_record(runner.cfg, cache, rows, 0)
     logits, _, _ = runner.run_piece(None, cache, np.zeros((1, 1), np.int32), 0, 1, width, scan)
     jax.block_until_ready(logits)
 
@@ -139,15 +134,16 @@ def compile_decode(runner, scan: int | None) -> None:
 
 
 def warm_up(engine, progress=None, longest: int = 48) -> dict:
-    """`compile_all`, then short requests through `engine`, one per last-piece width
-    (`warmup_prompts`: the install, hot-buffer warm-up, first-token and bookkeeping
-    programs) → {"prefill_shapes", "decode_shapes", "seconds"}. The engine is left
-    as it was (no request, no pages)."""
+    """`compile_all`, then short requests through `engine` (`warmup_prompts`: the
+    install, hot-buffer warm-up, first-token, prefix and bookkeeping programs) →
+    {"prefill_shapes", "decode_shapes", "seconds"}. The engine is left as it was (no
+    request, no pages, an empty prefix cache with zeroed counters)."""
     t0 = time.perf_counter()
     done = compile_all(engine.runner, progress)
     cfg = engine.cfg
-    lengths = warmup_prompts(engine.runner.warmup_queries, cfg.engine.max_context_len - 2,
-                             longest)
-    engine.generate([[(7 * i) % cfg.model.vocab_size for i in range(n)] for n in lengths], 2)
+    for prompt in warmup_prompts(cfg, cfg.engine.max_context_len - 2, longest):
+        engine.generate([prompt], 2)
     engine.check_no_leaks()
+    if engine.runner.prefix is not None:
+        engine.runner.prefix.reset(counters=True)
     return dict(done, seconds=time.perf_counter() - t0)

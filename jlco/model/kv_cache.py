@@ -33,7 +33,7 @@ from jlco.util.buckets import MIN_SCAN, pow2_bucket
 
 
 @partial(jax.tree_util.register_dataclass,
-         data_fields=("latent", "index_k", "index_scale", "lengths", "record"),
+         data_fields=("latent", "index_k", "index_scale", "lengths", "record", "record_from"),
          meta_fields=("kv_format", "key_format", "d_rope", "scan_len"))
 @dataclasses.dataclass(frozen=True)
 class DecodeCache:
@@ -52,6 +52,9 @@ class DecodeCache:
     # contexts in the batch, not max_context_len. Static (part of the tree's structure):
     # one compile per bucket; step functions hand the cache back with None.
     scan_len: int | None = None
+    # int32 scalar: with a record narrower than the step's queries, the first query row
+    # it keeps (a prefill's last piece records its last real queries only).
+    record_from: jax.Array | None = None
 
     @property
     def batch(self) -> int:
@@ -147,10 +150,20 @@ def latent_for_attention(cache: DecodeCache, layer: int, positions: jax.Array
 
 
 def record_topk(cache: DecodeCache, layer: int, positions: jax.Array) -> DecodeCache:
-    """Keep this step's top-k positions [b, s, k] when the cache records them."""
-    if cache.record is not None and cache.record.shape[2:] == positions.shape[1:]:
-        cache = dataclasses.replace(cache, record=cache.record.at[layer].set(positions))
-    return cache
+    """Keep this step's top-k positions [b, s, k] when the cache records them: all s
+    query rows when the record [L, b, s, k] has as many, else (a narrower record,
+    `record_from` set) the rows record_from .. record_from + its width."""
+    rec = cache.record
+    if rec is None or rec.shape[3:] != positions.shape[2:]:
+        return cache
+    rows, s = rec.shape[2], positions.shape[1]
+    if rows == s:
+        part = positions
+    elif rows < s and cache.record_from is not None:
+        part = jax.lax.dynamic_slice_in_dim(positions, cache.record_from, rows, axis=1)
+    else:
+        return cache
+    return dataclasses.replace(cache, record=rec.at[layer].set(part))
 
 
 def dense_rows(cache: DecodeCache, layer: int, s_q: int) -> jax.Array | None:
@@ -270,7 +283,8 @@ def data_specs(cache: DecodeCache) -> DecodeCache:
     return dataclasses.replace(
         cache, latent=lat, index_k=tuple(batch0 for _ in cache.index_k),
         index_scale=None if cache.index_scale is None else tuple(batch0 for _ in cache.index_scale),
-        lengths=batch0, record=None if cache.record is None else batch1)
+        lengths=batch0, record=None if cache.record is None else batch1,
+        record_from=None if cache.record_from is None else P())
 
 
 def data_shardings(cache: DecodeCache, mesh, host_memory_kind: str | None) -> DecodeCache:

@@ -58,7 +58,7 @@ def prefill(model, cache: DecodeCache, tokens, prompt_lens=None, *, chunk: int,
     model: a DeepseekV32 or its (graphdef, state) from `split`. tokens [b, L] (int,
     right-padded), prompt_lens [b] (default L; 0 leaves a request untouched). Every chunk
     has the same shape, so one compilation serves the whole prompt. scan_len: "auto"
-    (`kv_cache.prefill_scan` of the positions a chunk sees), or the scan shape to run
+    (`kv_cache.prefill_scan` of the chunk's padded end), or the scan shape to run
     every chunk with (the engine's warm-up compiles each shape on an empty cache).
     → (logits [b, V] at each request's last prompt token, its hidden [b, d], cache).
     """
@@ -83,8 +83,11 @@ def prefill(model, cache: DecodeCache, tokens, prompt_lens=None, *, chunk: int,
         width = min(chunk, n - start)
         piece[:, :width] = tokens[:, start:start + width]
         n_new = np.clip(lens - start, 0, chunk).astype(np.int32)
+        # The scan shape follows the chunk's padded end, not its real one: a position's
+        # piece then runs the same program whatever the prompt's length (prefix reuse).
+        end = min(int(cached.max()) + chunk, cache.max_len)
         cached = cached + n_new
-        scan = prefill_scan(int(cached.max()), cache.max_len) if scan_len == "auto" else scan_len
+        scan = prefill_scan(end, cache.max_len) if scan_len == "auto" else scan_len
         cache = dataclasses.replace(cache, scan_len=scan)
         h, cache = _prefill_chunk(graphdef, state, cache, jnp.asarray(piece),
                                   jnp.asarray(n_new), impl=impl)

@@ -216,6 +216,8 @@ class Result:
     chunk_t: list = dataclasses.field(default_factory=list)   # token-bearing chunks
     chunk_n: list = dataclasses.field(default_factory=list)   # their token counts
     usage_tokens: int | None = None
+    cached_tokens: int | None = None   # usage.prompt_tokens_details.cached_tokens
+    token_ids: list = dataclasses.field(default_factory=list)
     done: bool = False
     error: str | None = None
 
@@ -273,7 +275,11 @@ async def stream_one(client: httpx.AsyncClient, body: dict, res: Result) -> Resu
                     break
                 if doc.get("usage"):
                     res.usage_tokens = doc["usage"].get("completion_tokens")
-                n = sum(len(c.get("token_ids") or ()) for c in doc.get("choices") or ())
+                    details = doc["usage"].get("prompt_tokens_details") or {}
+                    res.cached_tokens = details.get("cached_tokens")
+                ids = [t for c in doc.get("choices") or () for t in c.get("token_ids") or ()]
+                res.token_ids += ids
+                n = len(ids)
                 if n:
                     res.chunk_t.append(now)
                     res.chunk_n.append(n)

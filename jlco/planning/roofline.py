@@ -25,9 +25,9 @@ the indexer scores 2·H·D·(positions it sees) and sparse MLA 2·h·(d_latent +
 min(topk, positions) (d_latent = kv_lora + rope = 576, kv_lora = 512 for DeepSeek-V3.2).
 
 A whole prefill of one prompt (`prefill_cost`) is counted piece by piece as the engine
-runs it (`jlco.engine.prefill.pieces`: pieces of at most `engine.prefill_chunk` tokens,
-each computed at its power-of-two bucket width, the last WARMUP_QUERIES queries a piece of
-their own). A piece of q queries on lo cached positions costs what a decode step of s_q = q
+runs it (`jlco.engine.prefill.pieces`: whole chunks of `engine.prefill_chunk` tokens,
+then the tail in pieces of the page grid, `jlco.util.buckets.piece_grid`, the last one
+padded). A piece of q queries on lo cached positions costs what a decode step of s_q = q
 on context lo costs (weights read once per piece, per-token matmuls, the indexer and
 sparse MLA terms growing with position, the lo cached keys read once, the piece's own
 rows and keys counted as cache writes), except that the LM head runs
@@ -54,7 +54,8 @@ from collections.abc import Sequence
 from jlco.config import Config, ModelConfig
 from jlco.planning.hardware import get_hardware
 from jlco.planning.params import param_counts
-from jlco.util.buckets import MIN_PIECE, MIN_SCAN, WARMUP_QUERIES, prompt_pieces, pow2_bucket  # noqa: F401
+from jlco.util.buckets import (MIN_PIECE, MIN_SCAN, WARMUP_QUERIES, piece_grid,  # noqa: F401
+                               pow2_bucket, prompt_pieces)
 
 # This 2-core CPU box (measured; see tools/bench_decode.py --mem_gbps / --peak_gflops).
 CPU_MEM_GBPS = 14.9
@@ -231,10 +232,10 @@ def decode_step_cost(cfg: Config, batch: int, contexts: int | Sequence[int],
 
 # ---- a whole prefill ---------------------------------------------------------------------
 
-def prefill_pieces(n: int, chunk: int, warmup: int = WARMUP_QUERIES) -> list[tuple[int, int, int]]:
+def prefill_pieces(n: int, chunk: int, grid: int) -> list[tuple[int, int, int]]:
     """The engine's pieces (lo, hi, computed width) of an n-token prompt
-    (`jlco.util.buckets.prompt_pieces` with min(warmup, n) queries apart)."""
-    return prompt_pieces(n, chunk, min(warmup, n))
+    (`jlco.util.buckets.prompt_pieces`: whole chunks, then tail pieces of `grid`)."""
+    return prompt_pieces(n, chunk, grid)
 
 
 def scan_positions(n: int, max_len: int) -> int:
@@ -313,21 +314,25 @@ def _piece_cost(cfg: Config, lo: int, queries: int, scan: int | None) -> StepRoo
 
 
 def prefill_cost(cfg: Config, prompt_len: int, chunk: int | None = None,
-                 warmup: int = WARMUP_QUERIES, max_len: int | None = None) -> PrefillRoofline:
+                 grid: int | None = None, max_len: int | None = None) -> PrefillRoofline:
     """Roofline bytes and FLOPs of prefilling one `prompt_len`-token prompt alone, as the
-    engine runs it: pieces of `chunk` (default `engine.prefill_chunk`) with the last
-    `warmup` queries apart, on a cache of `max_len` positions (default
-    `engine.max_context_len`). Main model only (no MTP layer)."""
+    engine runs it: whole chunks of `chunk` (default `engine.prefill_chunk`), then tail
+    pieces of `grid` (default the engine's page grid), on a cache of `max_len` positions
+    (default `engine.max_context_len`). Main model only (no MTP layer)."""
     chunk = cfg.engine.prefill_chunk if chunk is None else chunk
     max_len = cfg.engine.max_context_len if max_len is None else max_len
+    if grid is None and isinstance(chunk, int) and chunk >= 1:
+        grid = piece_grid(cfg.cache.page_size, chunk)
     for name, v, low in (("prompt_len", prompt_len, 1), ("chunk", chunk, 1),
-                         ("warmup", warmup, 0), ("max_len", max_len, 1)):
+                         ("grid", grid, 1), ("max_len", max_len, 1)):
         if isinstance(v, bool) or not isinstance(v, int) or v < low:
             raise ValueError(f"{name}={v!r}: allowed an integer >= {low}")
     if prompt_len > max_len:
         raise ValueError(f"prompt_len={prompt_len}: allowed at most max_len={max_len}")
-    pcs = tuple(prefill_pieces(prompt_len, chunk, warmup))
-    scans = tuple(scan_positions(hi, max_len) for _, hi, _ in pcs)
+    if grid > chunk:
+        raise ValueError(f"grid={grid}: allowed at most chunk={chunk}")
+    pcs = tuple(prefill_pieces(prompt_len, chunk, grid))
+    scans = tuple(scan_positions(min(lo + w, max_len), max_len) for lo, _, w in pcs)
     useful = tuple(_piece_cost(cfg, lo, hi - lo, None) for lo, hi, _ in pcs)
     as_run = tuple(_piece_cost(cfg, lo, w, sc) for (lo, _, w), sc in zip(pcs, scans))
     return PrefillRoofline(prompt_len, chunk, pcs, scans, useful, as_run)

@@ -18,14 +18,32 @@ MIN_PIECE = 16        # smallest prefill piece shape (fewer distinct compiled sh
 MIN_SCAN = 1024       # smallest indexer scan bucket
 
 
-def prompt_pieces(n: int, chunk: int, warmup: int) -> list[tuple[int, int, int]]:
-    """Prompt pieces (lo, hi, compiled width) of an n-token prompt. Each piece computes a
-    power-of-two bucket of its width (at most `chunk`): a short prompt does not pay for
-    a whole chunk, and the compiled shapes stay few. The last `warmup` queries run as
-    one piece (its bucket: the recorded top-k sets have the piece's shape)."""
-    out = [(lo, min(lo + chunk, n - warmup), pow2_bucket(min(chunk, n - warmup - lo), MIN_PIECE,
-                                                         chunk))
-           for lo in range(0, n - warmup, chunk)]
-    if warmup:
-        out.append((n - warmup, n, pow2_bucket(warmup, MIN_PIECE)))
+def piece_grid(page_size: int, chunk: int) -> int:
+    """Width of a prompt's tail pieces: the smallest multiple of the page size that is at
+    least MIN_PIECE, at most `chunk`. Prefix reuse resumes a prefill at a piece boundary,
+    so a reused prefix loses less than one grid step."""
+    grid = page_size * -(-MIN_PIECE // page_size)
+    return min(grid, chunk)
+
+
+def prompt_pieces(n: int, chunk: int, grid: int) -> list[tuple[int, int, int]]:
+    """Prompt pieces (lo, hi, compiled width) of an n-token prompt, fixed by position:
+    whole chunks [j·chunk, (j+1)·chunk) while they fit, then the tail in pieces of `grid`
+    positions at lo = last chunk end + i·grid (the last one padded). The piece that
+    computes position q, and its shape, depend on q and on whether q's chunk fits in the
+    prompt, not on where the prompt ends inside the tail: a longer prompt with the same
+    prefix computes that prefix's rows in the same pieces, with the same float reduction
+    order, so rows cached from one prompt are the rows another would compute
+    (`jlco.engine.prefix`)."""
+    if not (isinstance(grid, int) and 0 < grid <= chunk):
+        raise ValueError(f"prompt_pieces: grid={grid!r}: allowed an integer in 1..{chunk}")
+    full = n // chunk * chunk
+    out = [(lo, lo + chunk, chunk) for lo in range(0, full, chunk)]
+    out += [(lo, min(lo + grid, n), grid) for lo in range(full, n, grid)]
     return out
+
+
+def record_rows(warmup: int) -> int:
+    """Rows of a last piece's top-k record (the admission warm-up's query count, as a
+    compiled shape): `warmup` rounded up to a power of two, at least MIN_PIECE."""
+    return pow2_bucket(warmup, MIN_PIECE)

@@ -38,7 +38,7 @@ def test_long_prompt_spends_at_most_one_chunk_per_step(cfg, model):
         if before is not None:
             spent.append(before - after)
         assert len(short.tokens) == n_short + 1, "the running request decoded every step"
-    # 100 = 68 in chunks of 16 (5 pieces) + the last 32 queries (one recorded piece)
+    # 100 = 6 chunks of 16 + a tail piece of the page grid (16, the recorded one)
     assert steps >= 5 and max(spent) <= 2 * CHUNK, spent
     eng.run()
     eng.check_no_leaks()
@@ -112,3 +112,30 @@ def test_long_prompts_past_the_pool_wait_and_finish(cfg, model):
     assert all(r.status == "finished" and len(r.tokens) == 2 for r in reqs)
     assert peak_jobs <= cfg.engine.max_batch_size and peak_live <= 2
     eng.check_no_leaks()
+
+
+def test_recent_queries_joins_the_last_pieces():
+    import numpy as np
+
+    from jlco.engine.prefill import recent_queries
+    a = np.arange(4).reshape(1, 4, 1) + 100                  # queries 100..103 (all real)
+    b = np.arange(2).reshape(1, 2, 1) + 200
+    last = np.array([[[7], [8]]])                            # its 2 real rows
+    out = recent_queries([a, b], last, 5, 8)
+    assert out[0, :, 0].tolist() == [-1, -1, -1, 103, 200, 201, 7, 8]
+    assert recent_queries([], last, 2, 4)[0, :, 0].tolist() == [-1, -1, 7, 8]
+
+
+@pytest.mark.parametrize("n", [5, 40, 70, 100])
+def test_warm_up_record_covers_the_last_queries(cfg, model, n):
+    """The admission warm-up sees the top-k of the prompt's last min(32, n) queries even
+    when its last piece holds fewer (the piece before it records too)."""
+    from jlco.engine.scheduler import Request
+    eng = Engine(cfg, model)
+    job = eng.runner.start_prefill(Request(-1, _tokens(n, 3), 1), None, record=True)
+    while not job.finished:
+        eng.runner.prefill_piece(job)
+    rec = job.warmup_record()
+    assert job.warmup_width == min(32, n) and rec.shape[1] == (16 if n < 16 else 32)
+    real = (rec[:cfg.model.num_hidden_layers, :, 0] >= 0).sum(axis=1)   # MTP layer: idle
+    assert (real == min(32, n)).all(), real

@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 from tests.support.engine_workload import BASE
 
-from jlco.engine import prefill as engine_prefill, warmup
+from jlco.engine import warmup
 from jlco.engine.core import Engine
 from jlco.model.kv_cache import prefill_scan, scan_bucket
+from jlco.util.buckets import prompt_pieces
 
 _COMPILES: list[str] = []
 _LISTENING = [False]
@@ -25,17 +26,20 @@ def _listener(name, _secs, **_kw):
 jax.monitoring.register_event_duration_secs_listener(_listener)
 
 
-@pytest.mark.parametrize("chunk, max_len, wq", [(64, 3000, 32), (100, 2500, 20), (64, 700, 0)])
-def test_prefill_shapes_are_every_piece_a_prompt_runs(chunk, max_len, wq):
+@pytest.mark.parametrize("chunk, grid, max_len", [(64, 16, 3000), (100, 20, 2500),
+                                                  (64, 64, 700), (1100, 64, 5000)])
+def test_prefill_shapes_are_every_piece_a_prompt_runs(chunk, grid, max_len):
     want = set()
     for n in range(1, max_len):
-        ps = engine_prefill.pieces(n, chunk, min(wq, n))
-        for i, (_, hi, width) in enumerate(ps):
-            last = bool(wq) and i == len(ps) - 1
-            want.add(warmup.PieceShape(width, prefill_scan(hi, max_len), last))
-    got = set(warmup.prefill_shapes(chunk, max_len, wq, True))
+        ps = prompt_pieces(n, chunk, grid)
+        for i, (lo, _, width) in enumerate(ps):
+            scan = prefill_scan(min(lo + width, max_len), max_len)
+            want.add(warmup.PieceShape(width, scan, i == len(ps) - 1))
+            want.add(warmup.PieceShape(width, scan, False))
+    got = set(warmup.prefill_shapes(chunk, grid, max_len, True))
     assert got == want
-    assert len(warmup.prefill_shapes(chunk, max_len, wq, True)) == len(got)   # no repeats
+    assert len(warmup.prefill_shapes(chunk, grid, max_len, True)) == len(got)   # no repeats
+    assert not any(p.record for p in warmup.prefill_shapes(chunk, grid, max_len, False))
 
 
 @pytest.mark.parametrize("s_q", [1, 3])
@@ -52,9 +56,10 @@ def test_no_request_compiles_after_warm_up(model):
     eng = Engine(cfg, model)
     seen = []
     done = eng.warm_up(lambda d, n, what: seen.append((d, n)))
-    # widths 16, 32 x scans 1024, all; recording last pieces: 16 x 1024, 32 x both
-    assert done["prefill_shapes"] == 7 and done["decode_shapes"] == 2
-    assert seen[-1] == (9, 9)
+    # widths 32 (chunks), 16 (the page grid) x scans 1024, all x recording or not
+    assert done["prefill_shapes"] == 8 and done["decode_shapes"] == 2
+    assert seen[-1] == (10, 10)
+    assert eng.prefix_stats() == {"queries": 0, "hits": 0, "pages": 0, "bytes": 0}
     rng = np.random.default_rng(0)
     _COMPILES.clear()
     _LISTENING[0] = True
@@ -63,8 +68,11 @@ def test_no_request_compiles_after_warm_up(model):
         eng.run()
         late = eng.submit(list(map(int, rng.integers(0, 500, 1030))), 4)   # scan 'all'
         eng.run()
+        again = eng.submit(reqs[2].prompt + [1, 2, 3], 3)          # a reused prefix
+        eng.run()
     finally:
         _LISTENING[0] = False
     assert all(len(r.tokens) == 3 for r in reqs) and len(late.tokens) == 4
+    assert again.cached_tokens == 64 and len(again.tokens) == 3
     assert _COMPILES == [], f"{len(_COMPILES)} compile(s) in the request path"
     eng.check_no_leaks()

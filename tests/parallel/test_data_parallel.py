@@ -177,3 +177,54 @@ def test_engine_with_data_parallel_attention_equals_one_device():
     for rank, foreign, missing, wanted in local["ranks"]:
         assert wanted > 0, rank
         assert foreign == [] and missing == 0, (rank, foreign, missing)
+
+
+_PREFIX_SCRIPT = textwrap.dedent("""
+    import json
+    import jax
+    from tests.support.engine_workload import BASE, make_model, make_prompts
+    from jlco.engine.core import Engine
+    from jlco.parallel.mesh import make_mesh, shard_model
+
+    base = make_prompts((70,))[0]
+    turns = [base + [i + 1] * (5 + i) for i in range(4)]
+
+    def run(cfg, mesh):
+        model = make_model(cfg)
+        if mesh is not None:
+            shard_model(model, mesh)
+        with jax.set_mesh(mesh) if mesh is not None else __import__("contextlib").nullcontext():
+            eng = Engine(cfg, model)
+            eng.generate([base], 3)
+            reqs = [eng.submit(p, 4) for p in turns]
+            ranks = {}
+            while eng.has_work:
+                eng.step()
+                for r in reqs:
+                    if r.slot is not None:
+                        ranks[r.id] = eng.scheduler.rank_of_slot(r.slot)
+            eng.check_no_leaks()
+            return dict(tokens=[r.tokens for r in reqs], cached=[r.cached_tokens for r in reqs],
+                        ranks=sorted(set(ranks.values())))
+
+    mesh_cfg = BASE.replace(cache__offload=True, engine__max_batch_size=4,
+                            engine__prefill_chunk=32, mesh__data=2, mesh__expert=2)
+    split = run(mesh_cfg, make_mesh(mesh_cfg))
+    one = run(mesh_cfg.replace(mesh__data=1, mesh__expert=1, cache__prefix_cache=False), None)
+    print(json.dumps({"split": split, "one": one}))
+""")
+
+
+def test_a_prefix_is_shared_across_data_ranks():
+    """One prefix cache per engine process: requests on either data rank reuse a prompt
+    prefilled on one of them, with the tokens of a one-device engine without reuse."""
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+           "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
+    r = subprocess.run([sys.executable, "-c", _PREFIX_SCRIPT], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-4000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    split, one = got["split"], got["one"]
+    assert split["ranks"] == [0, 1], "the four turns ran on both ranks"
+    assert split["cached"] == [64] * 4 and one["cached"] == [0] * 4
+    assert split["tokens"] == one["tokens"]

@@ -6,6 +6,7 @@ import dataclasses
 import pytest
 
 from jlco.engine.prefill import MIN_PIECE, WARMUP_QUERIES, pieces
+from jlco.util.buckets import piece_grid
 from jlco.model.kv_cache import scan_bucket
 from jlco.planning import roofline
 from tests.tools.test_roofline import tiny
@@ -14,8 +15,10 @@ from tests.tools.test_roofline import tiny
 def test_shapes_are_the_engines():
     assert (roofline.WARMUP_QUERIES, roofline.MIN_PIECE) == (WARMUP_QUERIES, MIN_PIECE)
     for n in (1, 5, 31, 32, 33, 100, 4096, 5000, 131072):
-        for chunk in (16, 64, 4096):
-            assert roofline.prefill_pieces(n, chunk) == pieces(n, chunk, min(32, n)), (n, chunk)
+        for chunk, page in ((16, 4), (64, 16), (4096, 64)):
+            cfg = tiny().replace(engine__prefill_chunk=chunk, cache__page_size=page)
+            assert roofline.prefill_pieces(n, chunk, piece_grid(page, chunk)) == \
+                pieces(cfg, n), (n, chunk)
     for n, max_len in ((1, 64), (1024, 4096), (1025, 4096), (3000, 4096), (131072, 135168),
                        (4097, 8192)):
         want = scan_bucket(n, max_len)
@@ -23,11 +26,11 @@ def test_shapes_are_the_engines():
 
 
 def test_hand_count():
-    """40 tokens, chunk 16, 4 warm-up queries: pieces (0,16), (16,32), (32,36), (36,40),
-    each computed 16 wide; cache of 64 positions, so every piece scans all 64."""
+    """40 tokens, chunk 16, grid 4: pieces (0,16), (16,32) 16 wide, (32,36), (36,40) 4
+    wide; cache of 64 positions, so every piece scans all 64."""
     cfg = tiny()
-    p = roofline.prefill_cost(cfg, 40, chunk=16, warmup=4)
-    assert p.pieces == ((0, 16, 16), (16, 32, 16), (32, 36, 16), (36, 40, 16))
+    p = roofline.prefill_cost(cfg, 40, chunk=16, grid=4)
+    assert p.pieces == ((0, 16, 16), (16, 32, 16), (32, 36, 4), (36, 40, 4))
     assert p.scans == (64,) * 4
     by, fl = p.by_part()
     # Per token: 1600 matmul params, of which lm_head 128 runs once per piece (4 pieces).
@@ -43,14 +46,14 @@ def test_hand_count():
     assert by["lm_head"] == 4 * 16 * 8 * 2                 # weights: once per piece
     assert by["attention"] == 4 * 2 * 352 * 2
     assert by["routed_experts"] == 4 * 4 * 96 * 2          # every piece touches all 4
-    # As run: 64 queries (4 x 16), each scoring 64 keys, gathering 3 rows.
+    # As run: 40 queries (16 + 16 + 4 + 4), each scoring 64 keys, gathering 3 rows.
     rb, rf = p.by_part(as_run=True)
-    assert rf == dict(matmul=2 * 1472 * 64 + 2 * 128 * 4,
-                      indexer_scores=2 * 2 * 2 * 4 * 64 * 64,
-                      sparse_mla=2 * 2 * 2 * 18 * 64 * 3)
+    assert rf == dict(matmul=2 * 1472 * 40 + 2 * 128 * 4,
+                      indexer_scores=2 * 2 * 2 * 4 * 40 * 64,
+                      sparse_mla=2 * 2 * 2 * 18 * 40 * 3)
     assert rb["index_keys"] == 4 * 2 * 64 * 8
-    assert rb["latent_rows"] == 2 * 64 * 3 * 20
-    assert rb["cache_writes"] == 2 * 64 * 28
+    assert rb["latent_rows"] == 2 * 40 * 3 * 20
+    assert rb["cache_writes"] == 2 * 40 * 28
     assert rb["lm_head"] == by["lm_head"] and rb["attention"] == by["attention"]
     assert p.total_flops() == sum(fl.values()) < p.total_flops(as_run=True)
 
@@ -58,28 +61,28 @@ def test_hand_count():
 def test_one_token_is_a_decode_step_on_nothing():
     cfg = tiny()
     p = roofline.prefill_cost(cfg, 1)
-    assert p.pieces == ((0, 1, 16),)
+    assert p.pieces == ((0, 1, 64),)   # the page grid of page_size 64
     one = roofline.decode_step_cost(cfg, 1, 0)
     assert p.useful[0].bytes == one.bytes and p.useful[0].flops == one.flops
 
 
 def test_scan_buckets_grow_with_the_prompt():
-    """max_len 4096, 1500 tokens in chunks of 1024: pieces end at 1024, 1468, 1500, so
-    the indexer scans 1024, then 2048 keys per query."""
+    """max_len 4096, 1500 tokens in chunks of 1024, grid 256: pieces end at 1024, 1280,
+    1536 (padded), so the indexer scans 1024, then 2048 keys per query."""
     cfg = tiny()
     cfg = cfg.replace(model=dataclasses.replace(cfg.model, max_position_embeddings=4096),
                       engine__max_context_len=4096)
-    p = roofline.prefill_cost(cfg, 1500, chunk=1024)
-    assert p.pieces == ((0, 1024, 1024), (1024, 1468, 512), (1468, 1500, 32))
+    p = roofline.prefill_cost(cfg, 1500, chunk=1024, grid=256)
+    assert p.pieces == ((0, 1024, 1024), (1024, 1280, 256), (1280, 1500, 256))
     assert p.scans == (1024, 2048, 2048)
     rb, rf = p.by_part(as_run=True)
     assert rb["index_keys"] == 2 * 8 * (1024 + 2048 + 2048)
-    assert rf["indexer_scores"] == 2 * 2 * 2 * 4 * (1024 * 1024 + 512 * 2048 + 32 * 2048)
+    assert rf["indexer_scores"] == 2 * 2 * 2 * 4 * (1024 * 1024 + 256 * 2048 + 256 * 2048)
 
 
 def test_time_is_the_sum_of_the_pieces():
     cfg = tiny()
-    p = roofline.prefill_cost(cfg, 40, chunk=16, warmup=4)
+    p = roofline.prefill_cost(cfg, 40, chunk=16, grid=4)
     m = roofline.Machine("toy", mem_bw=1000.0, peak_flops=1000.0)
     assert p.time_s(m) == sum(max(s.total_bytes, s.total_flops) / 1000.0 for s in p.useful)
     # Compute-bound pieces here: the sum equals the whole prefill's FLOPs / peak.
@@ -91,7 +94,8 @@ def test_time_is_the_sum_of_the_pieces():
 
 @pytest.mark.parametrize("kw, match", [
     (dict(prompt_len=0), "prompt_len"), (dict(prompt_len=65), "max_len"),
-    (dict(prompt_len=8, chunk=0), "chunk"), (dict(prompt_len=8, warmup=-1), "warmup"),
+    (dict(prompt_len=8, chunk=0), "chunk"), (dict(prompt_len=8, grid=0), "grid"),
+    (dict(prompt_len=8, chunk=16, grid=32), "grid"),
 ])
 def test_bad_arguments(kw, match):
     with pytest.raises(ValueError, match=match):
