@@ -615,16 +615,18 @@ def check_storage_path(storage_path: str | None, where: str = "config") -> pathl
 
 def parse_override(text: str) -> tuple[str, object]:
     """'section.field=value' → ('section__field', value); value is a Python literal when
-    it parses as one, else the string."""
+    it parses as one (`true` / `false`, as YAML and JSON spell them, are booleans too),
+    else the string."""
     key, sep, raw = text.partition("=")
     sec, dot, field = key.strip().partition(".")
     if not sep or not dot or not sec or not field:
         raise ValueError(f"--override={text!r} is invalid: allowed section.field=value, e.g. "
                          "engine.max_batch_size=8")
+    raw = raw.strip()
     try:
-        val = ast.literal_eval(raw.strip())
+        val = ast.literal_eval(raw)
     except (ValueError, SyntaxError):
-        val = raw.strip()
+        val = {"true": True, "false": False}.get(raw.lower(), raw)
     return f"{sec}__{field}", val
 
 

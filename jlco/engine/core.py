@@ -42,11 +42,10 @@ class Engine:
             ranks=cfg.mesh.data)
         self.step_count = 0
         self.step_seconds: list[float] = []   # wall time of each engine step that decoded
-        # Host time of each step that did not overlap the device: scheduling, dispatch,
-        # token bookkeeping (the step's wall time minus the time spent waiting on it).
+        # Host time of each step not overlapping the device (wall minus device wait).
         self.host_seconds: list[float] = []
         self._jobs: collections.deque = collections.deque()   # prefill.PrefillJob, oldest first
-        self._imports: dict[int, float] = {}   # imported, unclaimed prefills: import time
+        self._imports: dict[int, float] = {}   # unclaimed imported prefills: import time
         self.orphans_swept = 0
 
     @property
@@ -55,8 +54,7 @@ class Engine:
         return self.runner.metrics
 
     @property
-    def spec_metrics(self):
-        """Speculative-decoding counters, None without drafts."""
+    def spec_metrics(self):   # speculative-decoding counters, None without drafts
         return None if self.runner.spec is None else self.runner.spec.metrics
 
     # ---- requests -----------------------------------------------------------------
@@ -78,9 +76,7 @@ class Engine:
                              max_context_len=self.cfg.engine.max_context_len)
 
     def admission_status(self) -> AdmissionStatus:
-        """Waiting and running requests, free slots, pool usage and watermarks, per-rank
-        and host-pool counts (`jlco.engine.scheduler.AdmissionStatus`): what the server
-        reports, read without reaching into the scheduler."""
+        """What the server reports (`jlco.engine.scheduler.AdmissionStatus`)."""
         return self.scheduler.status()
 
     def abort(self, request_id: int) -> None:
@@ -88,8 +84,7 @@ class Engine:
         self.finish(request_id, "abort")
 
     def finish(self, request_id: int, reason: str) -> None:
-        """End a request early for `reason` ("abort", or "stop" when the caller matched a
-        stop string): slot, pages and the runner's state for it come back."""
+        """End a request early ("abort", or "stop": a stop string); its state comes back."""
         self.scheduler.finish(request_id, reason)
         self._jobs = collections.deque(j for j in self._jobs if j.req.id != request_id)
         self._imports.pop(request_id, None)
@@ -255,21 +250,17 @@ class Engine:
         return reqs
 
     def warm_up(self, progress=None) -> dict:
-        """Compile every prefill and decode shape, then serve short requests
-        (`jlco.engine.warmup.warm_up`; progress(done, total, what) after each shape):
-        after it no request compiles."""
+        """Compile every shape, so no request compiles (`jlco.engine.warmup.warm_up`)."""
         from jlco.engine import warmup
         return warmup.warm_up(self, progress, WARMUP_PROMPT)
 
     def reset_prefix_cache(self) -> int:
-        """Drop every cached prefix page (vLLM's /reset_prefix_cache) → how many; 0 with
-        cache.prefix_cache off. Prefills in progress keep what they loaded."""
-        return 0 if self.runner.prefix is None else self.runner.prefix.reset()
+        """Drop every cached prefix page (vLLM's /reset_prefix_cache) → how many."""
+        return self.runner.prefix.reset() if self.runner.prefix else 0
 
     def prefix_stats(self) -> dict | None:
-        """The prefix cache's counters {"queries", "hits" (prompt tokens), "pages",
-        "bytes"}, None with cache.prefix_cache off."""
-        return None if self.runner.prefix is None else self.runner.prefix.stats()
+        """{"queries", "hits" (prompt tokens), "pages", "bytes"}; None with it off."""
+        return self.runner.prefix.stats() if self.runner.prefix else None
 
     def check_no_leaks(self) -> None:
         """Every slot and page is owned by a running request (and nothing else), and every

@@ -64,6 +64,23 @@ class PrefillJob:
         """Padded prompt positions left to compute."""
         return sum(c for _, _, c in self.pieces[self.done_pieces:])
 
+    def recording(self, cfg: Config, cache: DecodeCache) -> DecodeCache:
+        """The cache for the next piece: with an empty record buffer when it records."""
+        shape = self.record_shape(self.done_pieces)
+        return cache if shape is None else with_record(cfg, cache, *shape)
+
+    def piece_done(self, piece_hidden) -> None:
+        """After a piece: a recording piece before the last hands its record over (the
+        next piece compiles without one); the last keeps `piece_hidden` (MTP: its main
+        hidden states, for the prefix cache's fix-up)."""
+        last = self.done_pieces == len(self.pieces) - 1
+        if not last and self.cache.record is not None:
+            self.prev_records.append(self.cache.record)
+            self.cache = dataclasses.replace(self.cache, record=None, record_from=None)
+        if last:
+            self.piece_hidden = piece_hidden
+        self.done_pieces += 1
+
     def record_shape(self, i: int) -> tuple[int, int] | None:
         """(rows, first row) of piece i's top-k record, or None when it records nothing.
         A piece records its last real queries (at most `record_rows(warmup)`); the last

@@ -246,3 +246,64 @@ def payload_reader(p):
         return (np.stack([a[lo:hi] for a in p.latent]), np.stack([a[lo:hi] for a in p.index_k]),
                 scales)
     return read
+
+
+# ---- the runner's side ------------------------------------------------------------------
+
+def open_prefix(cfg) -> PrefixCache | None:
+    """The engine's prefix cache (`cache.prefix_cache`), None when off."""
+    from jlco.engine.allocation import prefix_pages
+    if not cfg.cache.prefix_cache:
+        return None
+    mtp = bool(cfg.engine.num_draft_tokens) and cfg.model.num_nextn_predict_layers > 0
+    return PrefixCache(cfg.cache.page_size, prefix_pages(cfg), mtp)
+
+
+def open_job_cache(runner, job):
+    """A job's one-request cache when its first piece runs: matched against the prefix
+    cache then (`PrefillJob.reuse`; the request reports `cached_tokens`), holding the
+    reused prefix, with the MTP fix-up of the piece that ends it when the cached prompt
+    ended there; empty without a hit."""
+    from jlco.engine import prefill as engine_prefill
+    if runner.prefix is not None:
+        job.reuse(runner.prefix.match(job.req.prompt, job.pieces))
+        job.req.cached_tokens = job.resume
+    cache = engine_prefill.open_cache(runner.cfg, job.max_len)
+    if job.hit is None:
+        return cache
+    cache = load(cache, job.hit, runner.cfg.cache.page_size)
+    if job.hit.fix is not None:
+        from jlco.engine.speculative import mtp_fixup
+        lo, hidden = job.hit.fix
+        cache = mtp_fixup((runner.graphdef, runner.state), cache, job.tokens, lo, hidden,
+                          impl=runner.impl)
+    return cache
+
+
+def cache_job(runner, job) -> None:
+    """A finished prefill's full pages into the runner's prefix cache (those it computed,
+    and a fixed-up page before them); with MTP, a page ending at the prompt's end keeps
+    its piece's hidden states for the fix-up."""
+    from jlco.engine import prefill as engine_prefill
+    if runner.prefix is None:
+        return
+    ps, n = runner.cfg.cache.page_size, len(job.req.prompt)
+    fix = None
+    if runner.prefix.mtp and n % ps == 0 and job.piece_hidden is not None:
+        lo, _, width = job.pieces[-1]
+        fix = (lo, np.asarray(jax.device_get(job.piece_hidden))[0, :width])
+    first = job.resume // ps - (job.hit is not None and job.hit.fix is not None)
+    runner.prefix.insert(job.req.prompt, engine_prefill.pieces(runner.cfg, n), max(first, 0),
+                         reader(job.cache), fix)
+    job.piece_hidden = None
+
+
+def cache_import(runner, p) -> None:
+    """An imported prefill's pages into the prefix cache. Its rows were computed by the
+    prefill node's pieces: the same as here when both run one config (as PD's
+    bit-equality already requires)."""
+    from jlco.engine import prefill as engine_prefill
+    if runner.prefix is None:
+        return
+    runner.prefix.insert(p.prompt, engine_prefill.pieces(runner.cfg, len(p.prompt)), 0,
+                         payload_reader(p), None)

@@ -30,7 +30,7 @@ from flax import nnx
 
 from jlco.config import Config
 from jlco.engine import host_driven, prefill as engine_prefill, prefix, steps, transfer
-from jlco.engine.allocation import allocate_cache, prefix_pages
+from jlco.engine.allocation import allocate_cache
 from jlco.engine.inputs import DecodeOutput, StepInputs
 from jlco.engine.prefill import WARMUP_QUERIES, PrefillJob
 from jlco.engine.sampling import first_token
@@ -85,7 +85,7 @@ class ModelRunner:
                                                num_pages=self.pages.num_pages,
                                                metrics=self.metrics)
         self.trace = self._open_trace(trace_path)
-        self.prefix = self._open_prefix()
+        self.prefix = prefix.open_prefix(cfg)   # None with cache.prefix_cache off
         self.decode_fn = self.host.decode_step if self.host is not None else self.jit(
             functools.partial(steps.decode_step, impl=self.impl), 2, ("batch", "batch", "cache"),
             ("rep", "rep", "cache", "batch"))
@@ -107,14 +107,6 @@ class ModelRunner:
             (cache_layers(cfg), self.batch, 1, cfg.model.index_topk), -1, jnp.int32))
         return TraceWriter(path, {"source": "engine", "config": cfg.name,
                                   "topk": cfg.model.index_topk, "num_layers": cache_layers(cfg)})
-
-    def _open_prefix(self) -> prefix.PrefixCache | None:
-        """The prefix cache (`cache.prefix_cache`), None when off."""
-        c = self.cfg.cache
-        if not c.prefix_cache:
-            return None
-        mtp = bool(self.cfg.engine.num_draft_tokens) and self.cfg.model.num_nextn_predict_layers > 0
-        return prefix.PrefixCache(c.page_size, prefix_pages(self.cfg), mtp)
 
     @property
     def pages_per_request(self) -> int:
@@ -152,48 +144,21 @@ class ModelRunner:
     def start_prefill(self, req: Request, page_row: np.ndarray | None, *,
                       record: bool = False) -> PrefillJob:
         """A chunked prefill of `req.prompt` for slot `req.slot` (offloaded: into the host
-        pages `page_row`); advance it with `prefill_piece`, end it with `finish_prefill`.
-        Its pieces are the same whatever else runs (`jlco.engine.prefill.pieces`)."""
+        pages `page_row`); advance it with `prefill_piece`, end with `finish_prefill`."""
         return engine_prefill.start(self.cfg, req, page_row, self.max_len, self.warmup_queries,
                                     record=self.offload or record)
 
     def prefill_piece(self, job: PrefillJob) -> int:
         """Run the job's next piece (queued on the device, no sync) → its cost in prompt
-        positions computed (the piece's padded width). Speculative decoding also fills
-        the MTP layer's rows."""
+        positions computed (its padded width); with MTP also the MTP layer's rows."""
         if job.cache is None:
-            if self.prefix is not None:
-                job.reuse(self.prefix.match(job.req.prompt, job.pieces))
-                job.req.cached_tokens = job.resume
-            job.cache = self._open_job_cache(job)
+            job.cache = prefix.open_job_cache(self, job)
         lo, hi, chunk = job.pieces[job.done_pieces]
-        last = job.done_pieces == len(job.pieces) - 1
-        shape = job.record_shape(job.done_pieces)
-        if shape is not None:
-            job.cache = engine_prefill.with_record(self.cfg, job.cache, *shape)
+        job.cache = job.recording(self.cfg, job.cache)
         job.logits, job.hidden, job.cache = self.run_piece(job.req, job.cache, job.tokens, lo,
                                                            hi, chunk)
-        if shape is not None and not last:   # a piece before the last: keep its record
-            job.prev_records.append(job.cache.record)
-            job.cache = dataclasses.replace(job.cache, record=None, record_from=None)
-        if last and self.spec is not None:
-            job.piece_hidden = self.spec.piece_hidden
-        job.done_pieces += 1
+        job.piece_done(self.spec.piece_hidden if self.spec is not None else None)
         return chunk
-
-    def _open_job_cache(self, job: PrefillJob) -> DecodeCache:
-        """A job's one-request cache: empty, or holding its reused prefix (with the MTP
-        fix-up of the piece that ends the prefix when the cached prompt ended there)."""
-        cache = engine_prefill.open_cache(self.cfg, job.max_len)
-        if job.hit is None:
-            return cache
-        cache = prefix.load(cache, job.hit, self.cfg.cache.page_size)
-        if job.hit.fix is not None:
-            from jlco.engine.speculative import mtp_fixup
-            lo, hidden = job.hit.fix
-            cache = mtp_fixup((self.graphdef, self.state), cache, job.tokens, lo, hidden,
-                              impl=self.impl)
-        return cache
 
     def run_piece(self, req, cache, tokens, lo, hi, chunk, scan_len="auto"):
         """Prompt positions lo..hi-1 of tokens [1, n] as one piece of width `chunk`
@@ -207,28 +172,13 @@ class ModelRunner:
         """Install a finished prefill in its batch slot (offloaded: warm its hot buffer)
         and sample its first token → (token, log-prob)."""
         assert job.finished, "finish_prefill: pieces left"
-        if self.prefix is not None:
-            self._cache_prefix(job)
+        prefix.cache_job(self, job)
         self._admit(job.cache, job.req.slot, len(job.req.prompt), job.page_row,
                     job.warmup_record())
         job.cache = None
         if len(job.req.prompt) >= self.cfg.engine.prefill_chunk:
             release_free_memory()   # a long prefill's buffers, back to the OS (util.memory)
         return first_token(job.logits[None, 0], job.req)
-
-    def _cache_prefix(self, job: PrefillJob) -> None:
-        """A finished prefill's full pages into the prefix cache (those it computed, and
-        the fixed-up page before them); with MTP, a page ending at the prompt's end keeps
-        its piece's hidden states for the fix-up."""
-        ps, n = self.cfg.cache.page_size, len(job.req.prompt)
-        fix = None
-        if self.prefix.mtp and n % ps == 0 and job.piece_hidden is not None:
-            lo, _, width = job.pieces[-1]
-            fix = (lo, np.asarray(jax.device_get(job.piece_hidden))[0, :width])
-        first = job.resume // ps - (job.hit is not None and job.hit.fix is not None)
-        self.prefix.insert(job.req.prompt, engine_prefill.pieces(self.cfg, n), max(first, 0),
-                           prefix.reader(job.cache), fix)
-        job.piece_hidden = None
 
     def install(self, temp: DecodeCache, slot: int, n: int, page_row) -> None:
         """A finished one-request prefill `temp` (n positions) into batch slot `slot`,
@@ -255,9 +205,7 @@ class ModelRunner:
         until a request claims it (`first_token`). It is installed only then: while the
         slot idles, decode steps write their dummy token into idle slots."""
         self._imported[req.id] = (p, page_row)
-        if self.prefix is not None:
-            self.prefix.insert(p.prompt, engine_prefill.pieces(self.cfg, len(p.prompt)), 0,
-                               prefix.payload_reader(p), None)
+        prefix.cache_import(self, p)
 
     def first_token(self, req: Request) -> tuple[int, float]:
         """Install a claimed import in its slot as `finish_prefill` installs a local

@@ -129,6 +129,8 @@ def test_override_strings():
     got = apply_overrides(cfg, ["engine.max_batch_size=8", "cache.storage=pinned_host",
                                 "serve.host_high_watermark=0.9"])
     assert got.engine.max_batch_size == 8 and got.serve.host_high_watermark == 0.9
+    for text, want in (("false", False), ("true", True), ("False", False), ("TRUE", True)):
+        assert apply_overrides(cfg, [f"cache.prefix_cache={text}"]).cache.prefix_cache is want
     for bad, needle in [("engine.max_batch_size", "section.field=value"),
                         ("engin.max_batch_size=8", "unknown section 'engin'"),
                         ("engine.batch=8", "engine has no field 'batch'"),
