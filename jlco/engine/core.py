@@ -59,11 +59,11 @@ class Engine:
 
     # ---- requests -----------------------------------------------------------------
     def submit(self, prompt, max_new_tokens: int, temperature: float = 0.0, seed: int = 0,
-               stop_token_ids: Iterable[int] = (), top_p: float = 1.0,
-               top_k: int = 0) -> Request:
-        """Queue a request; invalid fields raise RequestError naming the field."""
+               stop_token_ids: Iterable[int] = (), top_p: float = 1.0, top_k: int = 0,
+               **logprobs) -> Request:
+        """Queue a request (`Scheduler.add`); a bad field raises RequestError naming it."""
         return self.scheduler.add(prompt, max_new_tokens, temperature, seed, stop_token_ids,
-                                  top_p=top_p, top_k=top_k)
+                                  top_p=top_p, top_k=top_k, **logprobs)
 
     def check_request(self, prompt, max_new_tokens: int, temperature: float = 0.0,
                       seed: int = 0, stop_token_ids: Iterable[int] = (), *, top_p: float = 1.0,

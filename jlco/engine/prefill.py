@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jlco.config import Config
+from jlco.engine.sampling import first_token, position_logprobs
 from jlco.engine.scheduler import Request
 from jlco.model.kv_cache import DecodeCache, cache_layers, init_cache
 from jlco.util.buckets import (MIN_PIECE, WARMUP_QUERIES, piece_grid,  # noqa: F401
@@ -40,6 +41,7 @@ class PrefillJob:
     hit: object = None                        # the reused prefix (`prefix.PrefixHit`)
     piece_hidden: jax.Array | None = None     # MTP: the last piece's hidden [1, w, d]
     prev_records: list = dataclasses.field(default_factory=list)  # earlier pieces' records
+    prompt_lp: list = dataclasses.field(default_factory=list)     # per piece, when echoing
 
     def reuse(self, hit) -> None:
         """Skip the pieces a reused prefix (`prefix.PrefixHit`) covers; before the first
@@ -69,17 +71,37 @@ class PrefillJob:
         shape = self.record_shape(self.done_pieces)
         return cache if shape is None else with_record(cfg, cache, *shape)
 
-    def piece_done(self, piece_hidden) -> None:
-        """After a piece: a recording piece before the last hands its record over (the
-        next piece compiles without one); the last keeps `piece_hidden` (MTP: its main
-        hidden states, for the prefix cache's fix-up)."""
+    def piece_done(self, hidden, logits_fn, model) -> None:
+        """After a piece (its hidden states [1, chunk, d]): a recording piece before the
+        last hands its record over (the next piece compiles without one); a request
+        echoing its prompt keeps the piece's prompt log-probs (`position_logprobs` of
+        `logits_fn(*model, hidden)`); the last keeps `piece_hidden` (MTP fix-up)."""
+        lo, hi, width = self.pieces[self.done_pieces]
         last = self.done_pieces == len(self.pieces) - 1
         if not last and self.cache.record is not None:
             self.prev_records.append(self.cache.record)
             self.cache = dataclasses.replace(self.cache, record=None, record_from=None)
+        if self.req.prompt_logprobs is not None:
+            nxt = np.zeros((width,), np.int32)
+            follow = self.tokens[0, lo + 1:hi + 1]
+            nxt[:len(follow)] = follow
+            self.prompt_lp.append(position_logprobs(logits_fn(*model, hidden), nxt))
         if last:
-            self.piece_hidden = piece_hidden
+            self.piece_hidden = hidden
         self.done_pieces += 1
+
+    def prompt_result(self) -> list | None:
+        """Per prompt position 1 .. n-1: (log-prob of its token, [(id, log-prob)] of the
+        request's `prompt_logprobs` most likely), None when it did not ask."""
+        k = self.req.prompt_logprobs
+        if k is None:
+            return None
+        out = []
+        for (lo, hi, _), (lp, ids, lps) in zip(self.pieces, jax.device_get(self.prompt_lp)):
+            for r in range(min(hi, len(self.req.prompt) - 1) - lo):
+                out.append((float(lp[r]), [(int(i), float(v)) for i, v in zip(ids[r, :k],
+                                                                                lps[r, :k])]))
+        return out
 
     def record_shape(self, i: int) -> tuple[int, int] | None:
         """(rows, first row) of piece i's top-k record, or None when it records nothing.
@@ -139,6 +161,20 @@ def start(cfg: Config, req: Request, page_row, max_len: int, warmup_queries: int
     w = min(warmup_queries, n)
     return PrefillJob(req, page_row, None, np.asarray([req.prompt], np.int32), pieces(cfg, n),
                       record=bool(w and record), max_len=max_len, warmup=w)
+
+
+def first_token_of(job: PrefillJob) -> tuple[int, float]:
+    """A finished prefill's first token (token, log-prob) from its last logits; the
+    request also gets its prompt log-probs (when it echoes) and the first token's
+    alternatives (when it asks for `top_logprobs`)."""
+    req = job.req
+    req.prompt_logprob_out = job.prompt_result()
+    tok, logp = first_token(job.logits[None, 0], req)
+    if req.top_logprobs:
+        k = req.top_logprobs
+        _, ids, lps = jax.device_get(position_logprobs(job.logits[None, 0], np.int32([tok])))
+        req.top_out = [[(int(i), float(v)) for i, v in zip(ids[0, :k], lps[0, :k])]]
+    return tok, logp
 
 
 def open_cache(cfg: Config, max_len: int) -> DecodeCache:

@@ -265,7 +265,7 @@ def open_job_cache(runner, job):
     reused prefix, with the MTP fix-up of the piece that ends it when the cached prompt
     ended there; empty without a hit."""
     from jlco.engine import prefill as engine_prefill
-    if runner.prefix is not None:
+    if runner.prefix is not None and job.req.prompt_logprobs is None:   # echo: all rows
         job.reuse(runner.prefix.match(job.req.prompt, job.pieces))
         job.req.cached_tokens = job.resume
     cache = engine_prefill.open_cache(runner.cfg, job.max_len)

@@ -155,22 +155,22 @@ class ModelRunner:
             job.cache = prefix.open_job_cache(self, job)
         lo, hi, chunk = job.pieces[job.done_pieces]
         job.cache = job.recording(self.cfg, job.cache)
-        job.logits, job.hidden, job.cache = self.run_piece(job.req, job.cache, job.tokens, lo,
-                                                           hi, chunk)
-        job.piece_done(self.spec.piece_hidden if self.spec is not None else None)
+        job.logits, job.hidden, job.cache, h_all = self.run_piece(job.req, job.cache,
+                                                                  job.tokens, lo, hi, chunk)
+        job.piece_done(h_all, final_logits, (self.graphdef, self.state))
         return chunk
 
     def run_piece(self, req, cache, tokens, lo, hi, chunk, scan_len="auto"):
-        """Prompt positions lo..hi-1 of tokens [1, n] as one piece of width `chunk`
-        → (logits, hidden, cache); speculative decoding also fills the MTP rows."""
+        """Prompt positions lo..hi-1 of tokens [1, n] as one piece of width `chunk` →
+        (logits, hidden, cache, every position's hidden [1, chunk, d]); with MTP rows."""
         if self.spec is not None:
             return self.spec.prefill(req, cache, tokens, lo, hi, chunk, scan_len)
         return prefill((self.graphdef, self.state), cache, tokens[:, lo:hi], chunk=chunk,
-                       impl=self.impl, scan_len=scan_len)
+                       impl=self.impl, scan_len=scan_len, keep_hidden=True)
 
     def finish_prefill(self, job: PrefillJob) -> tuple[int, float]:
-        """Install a finished prefill in its batch slot (offloaded: warm its hot buffer)
-        and sample its first token → (token, log-prob)."""
+        """Install a finished prefill in its slot (offloaded: warm its hot buffer) and
+        sample its first token → (token, log-prob); its pages go to the prefix cache."""
         assert job.finished, "finish_prefill: pieces left"
         prefix.cache_job(self, job)
         self._admit(job.cache, job.req.slot, len(job.req.prompt), job.page_row,
@@ -178,7 +178,7 @@ class ModelRunner:
         job.cache = None
         if len(job.req.prompt) >= self.cfg.engine.prefill_chunk:
             release_free_memory()   # a long prefill's buffers, back to the OS (util.memory)
-        return first_token(job.logits[None, 0], job.req)
+        return engine_prefill.first_token_of(job)
 
     def install(self, temp: DecodeCache, slot: int, n: int, page_row) -> None:
         """A finished one-request prefill `temp` (n positions) into batch slot `slot`,

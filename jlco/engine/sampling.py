@@ -133,6 +133,20 @@ def sample(logits, sampling: SlotSampling):
                        sampling.top_ks)
 
 
+TOP_LOGPROBS = 20   # most alternatives per position (OpenAI's and vLLM's cap)
+
+
+@partial(jax.jit, static_argnames=("k",))
+def position_logprobs(logits, next_tokens, *, k: int = TOP_LOGPROBS):
+    """logits [n, V] of n positions, next_tokens [n] → (each next token's log-prob [n],
+    the k most likely ids [n, k] and their log-probs [n, k]): the untempered, unfiltered
+    distribution, as `token_logprobs` (what vLLM's logprobs_mode "raw_logprobs" reports)."""
+    logp = jax.nn.log_softmax(logits.reshape(-1, logits.shape[-1]).astype(jnp.float32), -1)
+    lp = jnp.take_along_axis(logp, next_tokens.reshape(-1)[:, None].astype(jnp.int32), axis=-1)[:, 0]
+    top_lp, top_ids = jax.lax.top_k(logp, min(k, logits.shape[-1]))
+    return lp, top_ids.astype(jnp.int32), top_lp
+
+
 # A prefill's first token, compiled once (called eagerly, `sample_rows`' lax.cond would
 # be traced and compiled again for every request).
 sample_first = jax.jit(sample)

@@ -67,6 +67,12 @@ class Request:
     num_drafted: int = 0             # speculative decoding: draft tokens proposed for it
     num_accepted: int = 0            # ... and accepted
     cached_tokens: int = 0           # prompt positions reused from the prefix cache
+    prompt_logprobs: int | None = None   # alternatives per prompt position (None: no echo)
+    top_logprobs: int = 0            # alternatives of the first generated token
+    # Filled by the runner: per prompt position 1..n-1 (logprob, [(id, logprob), ...]);
+    # per generated token with alternatives, [(id, logprob), ...].
+    prompt_logprob_out: list | None = None
+    top_out: list = dataclasses.field(default_factory=list)
 
     @property
     def done(self) -> bool:
@@ -160,6 +166,11 @@ class RequestFields:
     stop_token_ids: tuple[int, ...]
     top_p: float
     top_k: int
+    prompt_logprobs: int | None = None
+    top_logprobs: int = 0
+
+
+MAX_LOGPROBS = 20   # alternatives per position at most (OpenAI's cap; sampling.TOP_LOGPROBS)
 
 
 def _is_number(v, lo: float, hi: float, *, open_lo: bool = False) -> bool:
@@ -169,7 +180,8 @@ def _is_number(v, lo: float, hi: float, *, open_lo: bool = False) -> bool:
 
 def check_request(prompt: Sequence[int], max_new_tokens: int, temperature: float = 0.0,
                   seed: int = 0, stop_token_ids: Iterable[int] = (), *, top_p: float = 1.0,
-                  top_k: int = 0, vocab_size: int, max_context_len: int) -> RequestFields:
+                  top_k: int = 0, vocab_size: int, max_context_len: int,
+                  prompt_logprobs: int | None = None, top_logprobs: int = 0) -> RequestFields:
     """The one check of a request's fields, for every way in (queued, claimed after a PD
     import, prefilled for export, and the server before it queues): → RequestFields, or
     RequestError naming the first bad field."""
@@ -199,8 +211,12 @@ def check_request(prompt: Sequence[int], max_new_tokens: int, temperature: float
     if not all(_is_token(t, vocab) for t in stops):
         raise RequestError(f"stop_token_ids={list(stops)!r}: allowed token ids in "
                            f"0..{vocab - 1}", "stop_token_ids")
+    for name, v in (("prompt_logprobs", prompt_logprobs), ("top_logprobs", top_logprobs)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int)
+                              or not 0 <= v <= MAX_LOGPROBS):
+            raise RequestError(f"{name}={v!r}: allowed an integer in 0..{MAX_LOGPROBS}", name)
     return RequestFields(prompt, max_new_tokens, float(temperature), seed, stops,
-                         float(top_p), min(top_k, vocab))
+                         float(top_p), min(top_k, vocab), prompt_logprobs, top_logprobs or 0)
 
 
 class Scheduler:
@@ -242,14 +258,18 @@ class Scheduler:
     # ---- requests -----------------------------------------------------------------
     def add(self, prompt: Sequence[int], max_new_tokens: int, temperature: float = 0.0,
             seed: int = 0, stop_token_ids: Iterable[int] = (), *, top_p: float = 1.0,
-            top_k: int = 0) -> Request:
+            top_k: int = 0, prompt_logprobs: int | None = None,
+            top_logprobs: int = 0) -> Request:
         """Check (`check_request`) and queue a request; a bad field raises RequestError
-        naming it."""
+        naming it. prompt_logprobs: also the log-prob of every prompt token with that
+        many alternatives (None: not); top_logprobs: alternatives of the first token."""
         f = check_request(prompt, max_new_tokens, temperature, seed, stop_token_ids,
                           top_p=top_p, top_k=top_k, vocab_size=self.vocab_size,
-                          max_context_len=self.max_context_len)
+                          max_context_len=self.max_context_len,
+                          prompt_logprobs=prompt_logprobs, top_logprobs=top_logprobs)
         req = Request(next(self._ids), f.prompt, f.max_new_tokens, f.temperature, f.seed,
-                      f.stop_token_ids, top_p=f.top_p, top_k=f.top_k)
+                      f.stop_token_ids, top_p=f.top_p, top_k=f.top_k,
+                      prompt_logprobs=f.prompt_logprobs, top_logprobs=f.top_logprobs)
         self.requests[req.id] = req
         self.waiting.append(req)
         return req

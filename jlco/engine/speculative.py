@@ -305,7 +305,6 @@ class Speculator:
         self.graphdef, self.state, self.impl = runner.graphdef, runner.state, runner.impl
         self.batch, self.offload, self.vocab = runner.batch, runner.offload, cfg.model.vocab_size
         self.metrics = SpecMetrics()
-        self.piece_hidden = None   # the last prefill piece's main hidden [1, w, d]
         # Committed to the device like the step's outputs: an uncommitted first input
         # would make the second step compile again.
         self.pend_h = jax.device_put(
@@ -326,17 +325,18 @@ class Speculator:
     def prefill(self, req, temp, prompt, lo, hi, chunk, scan_len="auto"):
         """The runner's prefill of prompt positions lo..hi-1, with the MTP rows filled
         when the drafter reads them; remembers the last hidden for the first step
-        (`req` None: a warm-up compile, nothing remembered)."""
+        (`req` None: a warm-up compile, nothing remembered) → (logits, last hidden,
+        cache, the piece's hidden states [1, chunk, d])."""
         model = (self.graphdef, self.state)
         if self.drafter.needs_mtp_cache:
-            logits, h, temp, self.piece_hidden = prefill_with_mtp(
-                model, temp, prompt, lo, hi, chunk=chunk, impl=self.impl, scan_len=scan_len)
+            out = prefill_with_mtp(model, temp, prompt, lo, hi, chunk=chunk, impl=self.impl,
+                                   scan_len=scan_len)
         else:
-            logits, h, temp = prefill(model, temp, prompt[:, lo:hi], chunk=chunk,
-                                      impl=self.impl, scan_len=scan_len)
+            out = prefill(model, temp, prompt[:, lo:hi], chunk=chunk, impl=self.impl,
+                          scan_len=scan_len, keep_hidden=True)
         if req is not None:
-            self.admit(req.id, h)
-        return logits, h, temp
+            self.admit(req.id, out[1])
+        return out
 
     def admit(self, request_id: int, hidden: jax.Array) -> None:
         """A request's final prompt hidden state [1, d] (prefilled here or imported):

@@ -116,7 +116,7 @@ def compile_piece(runner, width: int, scan: int | None, record: bool) -> None:
     if record:
         rows = min(record_rows(runner.warmup_queries), width)
         cache = engine_prefill.with_record(runner.cfg, cache, rows, 0)
-    logits, _, _ = runner.run_piece(None, cache, np.zeros((1, 1), np.int32), 0, 1, width, scan)
+    logits = runner.run_piece(None, cache, np.zeros((1, 1), np.int32), 0, 1, width, scan)[0]
     jax.block_until_ready(logits)
 
 

@@ -30,11 +30,13 @@ def split(model: DeepseekV32):
 
 @partial(jax.jit, static_argnames=("impl",), donate_argnames=("cache",))
 def _prefill_chunk(graphdef, state, cache, tokens, n_new, *, impl):
-    """One ragged chunk: returns the hidden state of each request's last real token."""
+    """One ragged chunk → (the hidden state of each request's last real token, every
+    position's hidden [b, chunk, d] (for prompt log-probs; unused, it costs its buffer),
+    cache)."""
     model = nnx.merge(graphdef, state)
     h, cache = model(tokens, cache, n_new, impl=impl)
     last = jnp.clip(n_new - 1, 0, tokens.shape[1] - 1)
-    return h[jnp.arange(h.shape[0]), last], dataclasses.replace(cache, scan_len=None)
+    return h[jnp.arange(h.shape[0]), last], h, dataclasses.replace(cache, scan_len=None)
 
 
 @partial(jax.jit, static_argnames=("impl",), donate_argnames=("cache",))
@@ -52,7 +54,7 @@ def final_logits(graphdef, state, h):
 
 
 def prefill(model, cache: DecodeCache, tokens, prompt_lens=None, *, chunk: int,
-            impl: str = "auto", scan_len: int | None | str = "auto"):
+            impl: str = "auto", scan_len: int | None | str = "auto", keep_hidden: bool = False):
     """Append prompts to the cache in chunks of `chunk` tokens.
 
     model: a DeepseekV32 or its (graphdef, state) from `split`. tokens [b, L] (int,
@@ -60,7 +62,8 @@ def prefill(model, cache: DecodeCache, tokens, prompt_lens=None, *, chunk: int,
     has the same shape, so one compilation serves the whole prompt. scan_len: "auto"
     (`kv_cache.prefill_scan` of the chunk's padded end), or the scan shape to run
     every chunk with (the engine's warm-up compiles each shape on an empty cache).
-    → (logits [b, V] at each request's last prompt token, its hidden [b, d], cache).
+    → (logits [b, V] at each request's last prompt token, its hidden [b, d], cache),
+    and with `keep_hidden` the last chunk's hidden states [b, chunk, d] too.
     """
     graphdef, state = split(model) if isinstance(model, DeepseekV32) else model
     tokens = np.asarray(tokens, np.int32)
@@ -89,10 +92,11 @@ def prefill(model, cache: DecodeCache, tokens, prompt_lens=None, *, chunk: int,
         cached = cached + n_new
         scan = prefill_scan(end, cache.max_len) if scan_len == "auto" else scan_len
         cache = dataclasses.replace(cache, scan_len=scan)
-        h, cache = _prefill_chunk(graphdef, state, cache, jnp.asarray(piece),
-                                  jnp.asarray(n_new), impl=impl)
+        h, h_all, cache = _prefill_chunk(graphdef, state, cache, jnp.asarray(piece),
+                                         jnp.asarray(n_new), impl=impl)
         last_h = h if last_h is None else jnp.where(jnp.asarray(n_new > 0)[:, None], h, last_h)
-    return final_logits(graphdef, state, last_h), last_h, cache
+    logits = final_logits(graphdef, state, last_h)
+    return (logits, last_h, cache, h_all) if keep_hidden else (logits, last_h, cache)
 
 
 @jax.jit
