@@ -199,10 +199,14 @@ class Engine:
         self.step_count += 1
         drafted = out.drafted or (0,) * len(decoding)
         accepted = out.accepted or (0,) * len(decoding)
-        for req, toks, logps, d, a in zip(decoding, out.tokens, out.logprobs, drafted, accepted):
+        tops = out.top or ((),) * len(decoding)
+        for req, toks, logps, d, a, top in zip(decoding, out.tokens, out.logprobs, drafted,
+                                               accepted, tops):
             req.num_drafted += d
             req.num_accepted += a
-            for tok, logp in zip(toks, logps):
+            for j, (tok, logp) in enumerate(zip(toks, logps)):
+                if req.top_logprobs:
+                    req.top_out.append(top[j])
                 if self._append(req, tok, logp):
                     break
         return True

@@ -54,3 +54,11 @@ class DecodeOutput:
     drafted: tuple[int, ...] = ()
     wait_seconds: float = 0.0           # of `seconds`, blocked waiting for the device
     accepted: tuple[int, ...] = ()
+    # Per decoded request, per emitted token: its alternatives [(id, log-prob), ...]
+    # (the request's top_logprobs many; empty when it asked for none).
+    top: tuple = ()
+
+
+def alternatives(ids, lps, k: int) -> list[tuple[int, float]]:
+    """The first k of one position's top ids [K] and log-probs [K] as pairs."""
+    return [(int(i), float(v)) for i, v in zip(ids[:k], lps[:k])]

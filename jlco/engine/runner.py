@@ -31,7 +31,7 @@ from flax import nnx
 from jlco.config import Config
 from jlco.engine import host_driven, prefill as engine_prefill, prefix, steps, transfer
 from jlco.engine.allocation import allocate_cache
-from jlco.engine.inputs import DecodeOutput, StepInputs
+from jlco.engine.inputs import DecodeOutput, StepInputs, alternatives
 from jlco.engine.prefill import WARMUP_QUERIES, PrefillJob
 from jlco.engine.sampling import first_token
 from jlco.engine.scheduler import Request
@@ -271,9 +271,12 @@ class ModelRunner:
                 for layer in range(rec.shape[0]):
                     ids = rec[layer, r.slot, 0]
                     self.trace.record(r.id, len(r.tokens) - 1, layer, ids[ids >= 0])
-        return DecodeOutput(tuple((int(tok[r.slot]),) for r in running),
-                            tuple((float(logp[r.slot]),) for r in running), seconds,
-                            wait_seconds=waited)
+        lp, ids, lps = logp
+        return DecodeOutput(
+            tuple((int(tok[r.slot]),) for r in running),
+            tuple((float(lp[r.slot]),) for r in running), seconds, wait_seconds=waited,
+            top=tuple((alternatives(ids[r.slot], lps[r.slot], r.top_logprobs),)
+                      for r in running))
 
     def record_stats(self, stats: np.ndarray) -> None:
         for layer, row in enumerate(stats):

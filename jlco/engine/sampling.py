@@ -18,25 +18,29 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+TOP_LOGPROBS = 20   # most alternatives per position (OpenAI's and vLLM's cap)
+
 
 @partial(jax.tree_util.register_dataclass,
-         data_fields=("temps", "top_ps", "top_ks", "seeds", "counts"), meta_fields=())
+         data_fields=("temps", "top_ps", "top_ks", "seeds", "counts", "tops"), meta_fields=())
 @dataclasses.dataclass(frozen=True)
 class SlotSampling:
     """Per batch slot: temperature (0 = greedy), top-p (1 = off), top-k (0 = off), the
-    request's seed and how many tokens it has emitted (the PRNG index of its next)."""
+    request's seed, how many tokens it has emitted (the PRNG index of its next) and how
+    many alternatives (top log-probs) it wants per token (0 = none)."""
     temps: jax.Array     # f32 [b]
     top_ps: jax.Array    # f32 [b]
     top_ks: jax.Array    # int32 [b]
     seeds: jax.Array     # uint32 [b]
     counts: jax.Array    # int32 [b]
+    tops: jax.Array      # int32 [b]
 
     @classmethod
     def empty(cls, batch: int) -> "SlotSampling":
         """Every slot greedy, unfiltered (idle slots keep these)."""
         return cls(np.zeros((batch,), np.float32), np.ones((batch,), np.float32),
                    np.zeros((batch,), np.int32), np.zeros((batch,), np.uint32),
-                   np.zeros((batch,), np.int32))
+                   np.zeros((batch,), np.int32), np.zeros((batch,), np.int32))
 
     @classmethod
     def from_requests(cls, requests: Sequence, batch: int, slots: Sequence[int] | None = None,
@@ -48,6 +52,7 @@ class SlotSampling:
         for i, (r, s) in enumerate(zip(requests, slots)):
             out.temps[s], out.top_ps[s], out.top_ks[s] = r.temperature, r.top_p, r.top_k
             out.seeds[s] = r.seed
+            out.tops[s] = getattr(r, "top_logprobs", 0)
             out.counts[s] = len(r.tokens) if counts is None else counts[i]
         return out
 
@@ -128,12 +133,28 @@ def sample_rows(logits, temps, keys, top_ps=None, top_ks=None):
 
 
 def sample(logits, sampling: SlotSampling):
-    """logits [b, V] → (tokens [b], log-probs [b]) with each slot's own fields."""
-    return sample_rows(logits, sampling.temps, sampling.keys(), sampling.top_ps,
-                       sampling.top_ks)
+    """logits [b, V] → (tokens [b], (log-probs [b], alternatives `top_alternatives`))
+    with each slot's own fields."""
+    tok, logp = sample_rows(logits, sampling.temps, sampling.keys(), sampling.top_ps,
+                            sampling.top_ks)
+    return tok, (logp, *top_alternatives(logits, sampling.tops))
 
 
-TOP_LOGPROBS = 20   # most alternatives per position (OpenAI's and vLLM's cap)
+def top_alternatives(logits, tops):
+    """The TOP_LOGPROBS most likely ids and their log-probs [..., K] of logits [..., V]
+    (the untempered distribution), computed only when some row wants any (tops [b] > 0;
+    a `lax.cond`, so a batch without such requests pays nothing and none recompiles);
+    zeros otherwise."""
+    k = min(TOP_LOGPROBS, logits.shape[-1])
+
+    def top(x):
+        lps, ids = jax.lax.top_k(jax.nn.log_softmax(x.astype(jnp.float32), axis=-1), k)
+        return ids.astype(jnp.int32), lps
+
+    def none(x):
+        return (jnp.zeros(x.shape[:-1] + (k,), jnp.int32),
+                jnp.zeros(x.shape[:-1] + (k,), jnp.float32))
+    return jax.lax.cond(jnp.any(tops > 0), top, none, logits)
 
 
 @partial(jax.jit, static_argnames=("k",))
@@ -154,8 +175,8 @@ sample_first = jax.jit(sample)
 
 def first_token(logits, request) -> tuple[int, float]:
     """A request's token number 0 from the logits [1, V] at its last prompt position."""
-    tok, logp = sample_first(logits.astype(jnp.float32),
-                             SlotSampling.from_requests([request], 1, slots=[0], counts=[0]))
+    tok, (logp, _, _) = sample_first(logits.astype(jnp.float32), SlotSampling.from_requests(
+        [request], 1, slots=[0], counts=[0]))
     return int(tok[0]), float(logp[0])
 
 
@@ -185,7 +206,8 @@ def rejection_accept(logits, drafts, keys):
 
 def verify(logits, drafts, sampling: SlotSampling, rule: str):
     """logits [b, s, V] of the verified positions, drafts [b, n] (s = n + 1) → (tokens
-    int32 [b, s], their log-probs [b, s], leading accepted drafts [b]) before the cap
+    int32 [b, s], (their log-probs [b, s], alternatives [b, s, K] x 2), leading accepted
+    drafts [b]) before the cap
     on tokens left. Greedy rows: argmax, accepted while equal; sampled rows: "per_token"
     draws with the non-speculative key and accepts while equal, "rejection" uses
     `rejection_accept`. With n = 0 this is `sample` (one position, nothing to accept)."""
@@ -204,4 +226,4 @@ def verify(logits, drafts, sampling: SlotSampling, rule: str):
         tok = jnp.where(sampled[:, None], rej_tok, tok)
         accept = jnp.where(sampled[:, None], rej_accept, accept)
     accepted = jnp.cumprod(accept.astype(jnp.int32), axis=1).sum(axis=1)
-    return tok, token_logprobs(logits, tok), accepted
+    return tok, (token_logprobs(logits, tok), *top_alternatives(logits, sampling.tops)), accepted

@@ -69,7 +69,7 @@ from flax import nnx
 from jax.sharding import SingleDeviceSharding
 
 from jlco.engine import host_driven as engine_host
-from jlco.engine.inputs import DecodeOutput, StepInputs
+from jlco.engine.inputs import DecodeOutput, StepInputs, alternatives
 from jlco.engine.sampling import verify
 from jlco.engine.steps import close_step, open_step
 from jlco.model.prefill import final_logits, prefill
@@ -380,7 +380,8 @@ class Speculator:
         tok, logp, acc, drafts, stats = jax.device_get((tok, logp, acc, drafts, stats))
         seconds = time.perf_counter() - t0
         self.metrics.steps += 1
-        out_tok, out_logp, out_drafted, out_acc = [], [], [], []
+        out_tok, out_logp, out_drafted, out_acc, out_top = [], [], [], [], []
+        lp, ids, lps = logp
         for r in running:
             a, left = int(acc[r.slot]), r.max_new_tokens - len(r.tokens)
             usable = min(self.n, left - 1)
@@ -392,9 +393,11 @@ class Speculator:
                                        [int(t) for t in drafts[r.slot]]))
             self.pend_n[r.id] = a + 1
             out_tok.append(tuple(int(t) for t in tok[r.slot, :a + 1]))
-            out_logp.append(tuple(float(p) for p in logp[r.slot, :a + 1]))
+            out_logp.append(tuple(float(p) for p in lp[r.slot, :a + 1]))
+            out_top.append(tuple(alternatives(ids[r.slot, j], lps[r.slot, j], r.top_logprobs)
+                                 for j in range(a + 1)))
         out = DecodeOutput(tuple(out_tok), tuple(out_logp), seconds, drafted=tuple(out_drafted),
-                           accepted=tuple(out_acc), wait_seconds=seconds)
+                           accepted=tuple(out_acc), wait_seconds=seconds, top=tuple(out_top))
         return out, cache, stats
 
     def _count(self, accepted: int, usable: int) -> None:

@@ -62,3 +62,27 @@ def test_logprob_fields_are_checked(pair):
     for kw in (dict(prompt_logprobs=21), dict(top_logprobs=-1), dict(prompt_logprobs=True)):
         with pytest.raises(RequestError, match=next(iter(kw))):
             eng.submit([1, 2, 3], 1, **kw)
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_every_generated_token_gets_its_alternatives(pair, offload):
+    """top_logprobs on decoded tokens (the decode step's `top_alternatives`): each
+    token's k most likely ids and log-probs equal transformers' on the same sequence; a
+    request beside it without alternatives gets none (and the same tokens as alone)."""
+    ref, model = pair
+    rng = np.random.default_rng(6)
+    prompt = list(map(int, rng.integers(0, CFG.model.vocab_size, 45)))
+    other = list(map(int, rng.integers(0, CFG.model.vocab_size, 30)))
+    eng = Engine(CFG.replace(cache__offload=offload), model)
+    req = eng.submit(prompt, 5, top_logprobs=4)
+    plain = eng.submit(other, 5)
+    eng.run()
+    want = _hf_logprobs(ref, prompt + req.tokens[:-1])[len(prompt) - 1:]     # [5, V]
+    assert req.tokens == [int(np.argmax(w)) for w in want]
+    assert len(req.top_out) == 5 and plain.top_out == []
+    for w, top, lp in zip(want, req.top_out, req.logprobs):
+        assert [i for i, _ in top] == list(np.argsort(-w)[:4])
+        np.testing.assert_allclose([v for _, v in top], np.sort(w)[::-1][:4], atol=1e-4)
+        assert abs(top[0][1] - lp) < 1e-5
+    alone = Engine(CFG.replace(cache__offload=offload), model).generate([other], 5)[0]
+    assert plain.tokens == alone.tokens
