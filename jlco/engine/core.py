@@ -197,18 +197,7 @@ class Engine:
         self.step_seconds.append(t_end - t0)
         self.host_seconds.append(t_end - t0 - out.wait_seconds)
         self.step_count += 1
-        drafted = out.drafted or (0,) * len(decoding)
-        accepted = out.accepted or (0,) * len(decoding)
-        tops = out.top or ((),) * len(decoding)
-        for req, toks, logps, d, a, top in zip(decoding, out.tokens, out.logprobs, drafted,
-                                               accepted, tops):
-            req.num_drafted += d
-            req.num_accepted += a
-            for j, (tok, logp) in enumerate(zip(toks, logps)):
-                if req.top_logprobs:
-                    req.top_out.append(top[j])
-                if self._append(req, tok, logp):
-                    break
+        _emit(self, decoding, out)
         return True
 
     def _advance_prefills(self, budget: int | None) -> None:
@@ -277,3 +266,19 @@ class Engine:
 
     def close(self) -> None:
         self.runner.close()
+
+
+def _emit(engine: Engine, decoding, out) -> None:
+    """A decode step's tokens to their requests (with their drafts' counts and, when a
+    request asks, each token's alternatives); a finished request stops taking them."""
+    n = len(decoding)
+    for req, toks, logps, d, a, top in zip(decoding, out.tokens, out.logprobs,
+                                           out.drafted or (0,) * n, out.accepted or (0,) * n,
+                                           out.top or ((),) * n):
+        req.num_drafted += d
+        req.num_accepted += a
+        for j, (tok, logp) in enumerate(zip(toks, logps)):
+            if req.top_logprobs:
+                req.top_out.append(top[j])
+            if engine._append(req, tok, logp):
+                break

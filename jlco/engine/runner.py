@@ -271,12 +271,7 @@ class ModelRunner:
                 for layer in range(rec.shape[0]):
                     ids = rec[layer, r.slot, 0]
                     self.trace.record(r.id, len(r.tokens) - 1, layer, ids[ids >= 0])
-        lp, ids, lps = logp
-        return DecodeOutput(
-            tuple((int(tok[r.slot]),) for r in running),
-            tuple((float(lp[r.slot]),) for r in running), seconds, wait_seconds=waited,
-            top=tuple((alternatives(ids[r.slot], lps[r.slot], r.top_logprobs),)
-                      for r in running))
+        return _output(running, tok, logp, seconds, waited)
 
     def record_stats(self, stats: np.ndarray) -> None:
         for layer, row in enumerate(stats):
@@ -306,3 +301,13 @@ class ModelRunner:
             self.trace.close()
         if self.host is not None:
             self.host.close()
+
+
+def _output(running, tok, logp, seconds: float, waited: float) -> DecodeOutput:
+    """A plain decode step's host arrays (tokens [b], (log-probs [b], alternatives
+    [b, K] x 2)) as the DecodeOutput of `running` (one token each)."""
+    lp, ids, lps = logp
+    return DecodeOutput(
+        tuple((int(tok[r.slot]),) for r in running),
+        tuple((float(lp[r.slot]),) for r in running), seconds, wait_seconds=waited,
+        top=tuple((alternatives(ids[r.slot], lps[r.slot], r.top_logprobs),) for r in running))
