@@ -67,13 +67,13 @@ class Engine:
 
     def check_request(self, prompt, max_new_tokens: int, temperature: float = 0.0,
                       seed: int = 0, stop_token_ids: Iterable[int] = (), *, top_p: float = 1.0,
-                      top_k: int = 0) -> RequestFields:
+                      top_k: int = 0, **logprobs) -> RequestFields:
         """The fields `submit` would accept, normalised, or RequestError naming the bad one
         (`jlco.engine.scheduler.check_request` against this engine's vocabulary and
         context). Pure Python, so the server calls it on its own thread too."""
         return check_request(prompt, max_new_tokens, temperature, seed, stop_token_ids,
                              top_p=top_p, top_k=top_k, vocab_size=self.cfg.model.vocab_size,
-                             max_context_len=self.cfg.engine.max_context_len)
+                             max_context_len=self.cfg.engine.max_context_len, **logprobs)
 
     def admission_status(self) -> AdmissionStatus:
         """What the server reports (`jlco.engine.scheduler.AdmissionStatus`)."""
@@ -121,7 +121,7 @@ class Engine:
 
     def claim(self, request_id: int, prompt, max_new_tokens: int, temperature: float = 0.0,
               seed: int = 0, stop_token_ids: Iterable[int] = (), top_p: float = 1.0,
-              top_k: int = 0) -> Request:
+              top_k: int = 0, top_logprobs: int = 0, prompt_logprobs=None) -> Request:
         """Start decoding an imported prefill with these sampling fields: its first token
         comes from the imported hidden state, then it decodes like any request. The
         prompt must be the imported one and max_new_tokens within the reserved room."""
@@ -135,8 +135,9 @@ class Engine:
             raise RequestError(f"max_new_tokens={max_new_tokens}: the import reserved room for "
                                f"{req.max_new_tokens}", "max_new_tokens")
         checked = self.check_request(prompt, max_new_tokens, temperature, seed, stop_token_ids,
-                                     top_p=top_p, top_k=top_k)
-        for f in ("max_new_tokens", "temperature", "seed", "stop_token_ids", "top_p", "top_k"):
+                                     top_p=top_p, top_k=top_k, top_logprobs=top_logprobs)
+        for f in ("max_new_tokens", "temperature", "seed", "stop_token_ids", "top_p", "top_k",
+                  "top_logprobs"):   # prompt_logprobs: an import has no prompt rows to score
             setattr(req, f, getattr(checked, f))
         del self._imports[request_id]
         self._append(req, *self.runner.first_token(req))

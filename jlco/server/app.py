@@ -19,7 +19,6 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import functools
-import json
 import secrets
 import time
 from typing import Any, AsyncIterator
@@ -31,6 +30,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from jlco.engine.scheduler import RequestError
 from jlco.server.loop import Delta, EngineLoop, Stream, refusal
 from jlco.server.metrics import ServerMetrics
+from jlco.server.responses import Choice, Piece, sse, whole
 from jlco.server.protocol import (
     ApiError,
     SamplingRequest,
@@ -226,8 +226,9 @@ async def export_prefill(request: Request):
 
 
 async def _serve(request: Request, p: SamplingRequest, chat_text: str | None, *, chat: bool):
-    """A completion: prompt ids, the engine's one check of every field, then the request
-    queued (or an imported prefill claimed) and its tokens streamed or returned whole."""
+    """A completion: prompt ids, the engine's one check of every field, then one engine
+    request per prompt and per `n` queued (or an imported prefill claimed) and their
+    tokens streamed or returned whole."""
     state = _state(request)
     why = state.not_ready()
     if why:
@@ -235,15 +236,40 @@ async def _serve(request: Request, p: SamplingRequest, chat_text: str | None, *,
     if p.model is not None and p.model != state.model_name:
         raise ApiError(404, f"The model `{p.model}` does not exist (this server serves "
                             f"`{state.model_name}`)", "model")
+    prompts = [(p.prompt_text, p.prompt_ids)] + list(p.more_prompts)
+    choices: list[Choice] = []
+    try:
+        for text, given in prompts:
+            ids = _prompt_ids(state.codec, text, given, chat_text)
+            for j in range(p.n):
+                choices.append(await _queue(request, state, p, ids, text, j, len(choices)))
+    except BaseException:
+        for c in choices:       # nobody will read them: give their slots back
+            state.loop.abort(c.stream, "abort")
+            c.stream.closed = True
+        raise
+    rid = f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}"
+    if p.stream:
+        return StreamingResponse(sse(choices, rid, p, state, chat),
+                                 media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+    return await whole(choices, rid, p, state, chat)
+
+
+async def _queue(request: Request, state: ServerState, p: SamplingRequest, ids: list[int],
+                 text: str | None, j: int, index: int) -> Choice:
+    """Check and queue choice `index` (the j-th of its prompt) → its Choice."""
     codec = state.codec
-    ids = _prompt_ids(codec, p, chat_text)
-    max_new = _max_new_tokens(state.max_context_len, p, ids)
+    drop = p.echo and p.max_tokens == 0
+    max_new = 1 if drop else _max_new_tokens(state.max_context_len, p, ids)
     stops = set(p.stop_token_ids)
     if not p.ignore_eos and codec is not None and codec.eos_token_id is not None:
         stops.add(codec.eos_token_id)
-    seed = p.seed if p.seed is not None else state._rng.randrange(2 ** 32)
-    sampling = dict(temperature=p.temperature, seed=seed, stop_token_ids=sorted(stops),
-                    top_p=p.top_p, top_k=p.top_k)
+    seed = p.seed + j if p.seed is not None else state._rng.randrange(2 ** 32)
+    sampling = dict(temperature=p.temperature, seed=seed % 2 ** 32,
+                    stop_token_ids=sorted(stops), top_p=p.top_p, top_k=p.top_k,
+                    prompt_logprobs=(p.logprobs or 0) if p.echo else None,
+                    top_logprobs=p.logprobs or 0)
     try:
         state.engine.check_request(ids, max_new, **sampling)
     except RequestError as err:
@@ -252,21 +278,17 @@ async def _serve(request: Request, p: SamplingRequest, chat_text: str | None, *,
     req = await asyncio.wrap_future(_start(state, stream, p.prefill_id, ids, max_new, sampling))
     metrics = request.app.state.metrics
     metrics.prompt_tokens.inc(len(ids))
-    rid = f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}"
     detok = Detokenizer(codec, p.stop, include_stop=p.include_stop_str_in_output)
     gen = _generate(request, state, stream, detok, metrics)
-    if p.stream:
-        return StreamingResponse(_sse(gen, rid, p, req, state, chat, len(ids)),
-                                 media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
-    return await _whole(gen, rid, p, req, state, chat, len(ids))
+    return Choice(index, ids, text, req, stream, gen, drop)
 
 
-def _prompt_ids(codec, p: SamplingRequest, chat_text: str | None) -> list[int]:
+def _prompt_ids(codec, text: str | None, given: list[int] | None,
+                chat_text: str | None) -> list[int]:
     """The prompt's token ids: given, or the text (a rendered chat) encoded."""
-    text = chat_text if chat_text is not None else p.prompt_text
+    text = chat_text if chat_text is not None else text
     if text is None:
-        return p.prompt_ids
+        return given
     ids = codec.encode(text) if chat_text is None else codec.encode_chat(text) \
         if hasattr(codec, "encode_chat") else codec.encode(text)
     if not ids:
@@ -300,16 +322,6 @@ def _start(state: ServerState, stream: Stream, prefill_id: int | None, ids: list
         state.loop.attach(stream, req)
         return req
     return state.loop.call(claim)
-
-
-@dataclasses.dataclass
-class Piece:
-    """Text and token ids a request produced since the last piece; `finish_reason`
-    once it ended."""
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
 
 
 async def _generate(request: Request, state: ServerState, stream: Stream, detok: Detokenizer,
@@ -349,13 +361,13 @@ async def _generate(request: Request, state: ServerState, stream: Stream, detok:
                     break    # the stop token itself is not part of the text
                 ids.append(tok)
                 text.append(detok.push(tok))
-            n_tokens += len(ids)
+            start, n_tokens = n_tokens, n_tokens + len(ids)
             if detok.stopped:
                 loop.abort(stream, "stop")
                 stream.closed = True
                 metrics.requests.labels("stop").inc()
                 metrics.e2e.observe(now - stream.t_arrival)
-                yield Piece("".join(text), ids, "stop", detok.stop_string)
+                yield Piece("".join(text), ids, "stop", detok.stop_string, start)
                 return
             if delta.finish_reason is not None:
                 stream.closed = True
@@ -365,75 +377,11 @@ async def _generate(request: Request, state: ServerState, stream: Stream, detok:
                 metrics.e2e.observe(now - stream.t_arrival)
                 if delta.stop_token is not None:
                     ids.append(delta.stop_token)   # token ids include the stop token
-                yield Piece("".join(text), ids, reason, delta.stop_token)
+                yield Piece("".join(text), ids, reason, delta.stop_token, start)
                 return
             if ids:
-                yield Piece("".join(text), ids)
+                yield Piece("".join(text), ids, start=start)
     finally:
         if not stream.closed:
             loop.abort(stream, "abort")
             stream.closed = True
-
-
-def _usage(prompt_len: int, completion: int, req) -> dict:
-    u = {"prompt_tokens": prompt_len, "completion_tokens": completion,
-         "total_tokens": prompt_len + completion}
-    if req.num_drafted:
-        u["jlco_spec"] = {"drafted_tokens": req.num_drafted, "accepted_tokens": req.num_accepted,
-                          "acceptance": round(req.num_accepted / req.num_drafted, 4)}
-    return u
-
-
-def _choice(text: str, ids: list[int] | None, reason, stop_reason, chat: bool, *,
-            delta: bool) -> dict:
-    c: dict[str, Any] = {"index": 0}
-    if chat:
-        c["delta" if delta else "message"] = {"role": "assistant", "content": text}
-    else:
-        c["text"] = text
-        c["logprobs"] = None
-    c["finish_reason"] = reason
-    c["stop_reason"] = stop_reason
-    if ids is not None:
-        c["token_ids"] = ids
-    return c
-
-
-async def _whole(gen, rid, p: SamplingRequest, req, state: ServerState, chat: bool,
-                 prompt_len: int) -> JSONResponse:
-    text, ids, reason, stop_reason = [], [], None, None
-    async for piece in gen:
-        text.append(piece.text)
-        ids.extend(piece.token_ids)
-        reason, stop_reason = piece.finish_reason, piece.stop_reason
-    if reason is None:    # the client went away: nobody reads this
-        return JSONResponse({}, status_code=499)
-    return JSONResponse({
-        "id": rid, "object": "chat.completion" if chat else "text_completion",
-        "created": int(time.time()), "model": state.model_name,
-        "choices": [_choice("".join(text), ids if p.return_token_ids else None, reason,
-                            stop_reason, chat, delta=False)],
-        "usage": _usage(prompt_len, len(req.tokens), req)})
-
-
-async def _sse(gen, rid, p: SamplingRequest, req, state: ServerState, chat: bool,
-               prompt_len: int) -> AsyncIterator[bytes]:
-    obj = "chat.completion.chunk" if chat else "text_completion"
-    created = int(time.time())
-
-    def event(choices, usage=None) -> bytes:
-        doc = {"id": rid, "object": obj, "created": created, "model": state.model_name,
-               "choices": choices}
-        if usage is not None or p.include_usage:
-            doc["usage"] = usage
-        return f"data: {json.dumps(doc)}\n\n".encode()
-
-    try:
-        async for piece in gen:
-            yield event([_choice(piece.text, piece.token_ids if p.return_token_ids else None,
-                                 piece.finish_reason, piece.stop_reason, chat, delta=True)])
-    except ApiError as err:
-        yield f"data: {json.dumps(err.body())}\n\n".encode()
-    if p.include_usage:
-        yield event([], _usage(prompt_len, len(req.tokens), req))
-    yield b"data: [DONE]\n\n"

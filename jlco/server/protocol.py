@@ -3,7 +3,7 @@ the error shape every refusal uses.
 
 Requests follow OpenAI's conventions, vLLM's where OpenAI is silent (top_k, seed,
 stop_token_ids, ignore_eos, return_token_ids, include_stop_str_in_output). A field jlco
-does not implement is accepted when its value asks for nothing (`logprobs: null`,
+does not implement is accepted when its value asks for nothing (`presence_penalty: 0`,
 `repetition_penalty: 1.0`, `n: 1`, ...) and refused otherwise, naming the field and what
 is allowed; a field nobody defines is refused too (a typo must not pass silently).
 Refusals are `ApiError`s, rendered as vLLM does:
@@ -17,6 +17,7 @@ import json
 from typing import Any
 
 DEFAULT_MAX_TOKENS = 16        # OpenAI's (and vLLM's) default for /v1/completions
+MAX_LOGPROBS = 20              # alternatives per token (OpenAI's cap)
 MAX_STOP_STRINGS = 16
 
 ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
@@ -43,7 +44,6 @@ def bad(field: str, message: str) -> ApiError:
 
 # Fields that ask for nothing at these values (anything else is refused: jlco cannot do it).
 _NOOP_FIELDS: dict[str, tuple] = {
-    "logprobs": (None, False), "top_logprobs": (None, 0), "echo": (False,), "n": (1,),
     "best_of": (None, 1), "suffix": (None,), "presence_penalty": (0, 0.0),
     "frequency_penalty": (0, 0.0), "repetition_penalty": (1, 1.0), "min_p": (0, 0.0),
     "min_tokens": (0,), "logit_bias": (None, {}), "skip_special_tokens": (True,),
@@ -79,6 +79,10 @@ class SamplingRequest:
     return_token_ids: bool
     model: str | None
     prefill_id: int | None = None  # kv_transfer_params.prefill_id: claim an imported prefill
+    logprobs: int | None = None    # alternatives per token (None: no log-probs; 0: sampled only)
+    echo: bool = False             # completions: the prompt (and its log-probs) returned too
+    n: int = 1                     # choices per prompt
+    more_prompts: tuple = ()       # completions: (text, ids) of prompts after the first
 
 
 def parse_json(raw: bytes) -> dict:
@@ -100,19 +104,51 @@ def _or_default(v: Any, default: Any) -> Any:
     return default if v is None else v
 
 
-def _prompt(v: Any) -> tuple[str | None, list[int] | None]:
-    if isinstance(v, list) and len(v) == 1 and isinstance(v[0], (str, list)):
-        v = v[0]                              # a batch of one prompt
+MAX_PROMPTS = 256   # prompts in one completions request
+MAX_N = 16          # choices per prompt
+
+
+def _one_prompt(v: Any, field: str) -> tuple[str | None, list[int] | None]:
     if isinstance(v, str):
         if not v:
-            raise bad("prompt", "must not be empty")
+            raise bad(field, "must not be empty")
         return v, None
     if isinstance(v, list) and v and all(_is_int(t) for t in v):
         return None, list(v)
-    if isinstance(v, list) and len(v) > 1 and all(isinstance(p, (str, list)) for p in v):
-        raise bad("prompt", "several prompts in one request are not supported; send one "
-                            "request per prompt (requests are batched on the server)")
-    raise bad("prompt", "allowed a non-empty string or a non-empty list of token ids")
+    raise bad(field, "allowed a non-empty string or a non-empty list of token ids")
+
+
+def _prompts(v: Any) -> list[tuple[str | None, list[int] | None]]:
+    """`prompt`: a string, a list of token ids, or a list of either (one choice per
+    prompt and per `n`, numbered prompt by prompt, as OpenAI does)."""
+    if isinstance(v, list) and v and all(isinstance(p, (str, list)) for p in v):
+        if len(v) > MAX_PROMPTS:
+            raise bad("prompt", f"{len(v)} prompts: allowed at most {MAX_PROMPTS} per request")
+        return [_one_prompt(p, f"prompt[{i}]") for i, p in enumerate(v)]
+    return [_one_prompt(v, "prompt")]
+
+
+def int_field(body: dict, name: str, default: Any, lo: int, hi: int | None = None) -> Any:
+    """An integer field as vLLM's pydantic models read it: null is the default, 2.0 is 2,
+    a boolean is not a number; out of lo..hi a 400 naming the field."""
+    v = body.get(name)
+    if v is None:
+        return default
+    if isinstance(v, float) and v.is_integer():
+        v = int(v)
+    if not _is_int(v) or v < lo or (hi is not None and v > hi):
+        rng = f"an integer in {lo}..{hi}" if hi is not None else f"an integer >= {lo}"
+        raise bad(name, f"{json.dumps(v)[:40]} is invalid: allowed {rng}")
+    return v
+
+
+def _flag(body: dict, name: str) -> bool:
+    v = body.get(name)
+    if v is None:
+        return False
+    if not isinstance(v, bool):
+        raise bad(name, f"{json.dumps(v)[:40]} is invalid: allowed true or false")
+    return v
 
 
 def _common(body: dict, known: set[str]) -> dict:
@@ -162,35 +198,40 @@ def _common(body: dict, known: set[str]) -> dict:
         include_usage = opts.get("include_usage", False)
         if not isinstance(include_usage, bool):
             raise bad("stream_options.include_usage", "allowed true or false")
-    return dict(model=model, temperature=temperature, top_p=top_p,
+    if isinstance(seed, float) and seed.is_integer():
+        seed = int(seed)
+    return dict(model=model, temperature=temperature, top_p=top_p, n=int_field(body, "n", 1, 1, MAX_N),
                 top_k=top_k, seed=seed, stop=tuple(stop),
                 stop_token_ids=tuple(stop_ids), include_usage=include_usage, **flags)
 
 
-def _max_tokens(body: dict, name: str, default: int | None) -> int | None:
-    v = body.get(name, default)
-    if v is None:
-        return default
-    if not _is_int(v) or v < 1:
-        raise bad(name, f"{v!r} is invalid: allowed an integer >= 1")
-    return v
+def _max_tokens(body: dict, name: str, default: int | None, lo: int = 1) -> int | None:
+    return int_field(body, name, default, lo)
 
 
 _SAMPLING = {"model", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids",
              "ignore_eos", "stream", "stream_options", "return_token_ids",
-             "include_stop_str_in_output"}
+             "include_stop_str_in_output", "n"}
 
 
 def parse_completion(body: dict) -> SamplingRequest:
     """POST /v1/completions → SamplingRequest, or an ApiError naming the field."""
-    known = _SAMPLING | {"prompt", "max_tokens", "kv_transfer_params"}
+    known = _SAMPLING | {"prompt", "max_tokens", "kv_transfer_params", "logprobs", "echo"}
     if "prompt" not in body:
         raise bad("prompt", "required: a string or a list of token ids")
-    text, ids = _prompt(body["prompt"])
+    prompts = _prompts(body["prompt"])
     common = _common(body, known)
-    return SamplingRequest(prompt_text=text, prompt_ids=ids,
-                           max_tokens=_max_tokens(body, "max_tokens", DEFAULT_MAX_TOKENS),
-                           prefill_id=_prefill_id(body.get("kv_transfer_params")), **common)
+    echo = _flag(body, "echo")
+    logprobs = int_field(body, "logprobs", None, 0, MAX_LOGPROBS)
+    req = SamplingRequest(prompt_text=prompts[0][0], prompt_ids=prompts[0][1],
+                          max_tokens=_max_tokens(body, "max_tokens", DEFAULT_MAX_TOKENS,
+                                                 0 if echo else 1),
+                          prefill_id=_prefill_id(body.get("kv_transfer_params")),
+                          logprobs=logprobs, echo=echo, more_prompts=tuple(prompts[1:]),
+                          **common)
+    if req.prefill_id is not None and (len(prompts) > 1 or req.n > 1 or echo):
+        raise bad("kv_transfer_params", "a claimed prefill is one prompt, n 1, without echo")
+    return req
 
 
 def _prefill_id(v: Any) -> int | None:
@@ -210,7 +251,8 @@ def parse_chat(body: dict) -> tuple[SamplingRequest, list[dict], bool]:
     add_generation_prompt). `max_completion_tokens` (OpenAI's newer name) wins over
     `max_tokens`; neither: up to the context limit."""
     known = _SAMPLING | {"messages", "max_tokens", "max_completion_tokens",
-                         "add_generation_prompt", "chat_template_kwargs"}
+                         "add_generation_prompt", "chat_template_kwargs", "logprobs",
+                         "top_logprobs"}
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise bad("messages", "required: a non-empty list of {\"role\", \"content\"} objects")
@@ -234,5 +276,10 @@ def parse_chat(body: dict) -> tuple[SamplingRequest, list[dict], bool]:
     common = _common(body, known)
     max_tokens = _max_tokens(body, "max_completion_tokens", None) or \
         _max_tokens(body, "max_tokens", None)
-    req = SamplingRequest(prompt_text=None, prompt_ids=None, max_tokens=max_tokens, **common)
+    top = int_field(body, "top_logprobs", None, 0, MAX_LOGPROBS)
+    if top and not _flag(body, "logprobs"):
+        raise bad("top_logprobs", "needs logprobs: true")
+    logprobs = (top or 0) if _flag(body, "logprobs") else None
+    req = SamplingRequest(prompt_text=None, prompt_ids=None, max_tokens=max_tokens,
+                          logprobs=logprobs, **common)
     return req, [dict(m) for m in msgs], add_gen

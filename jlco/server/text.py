@@ -149,7 +149,14 @@ class TextCodec:
                                                       normalized=False)])
         tok.encode_special_tokens = True
         return cls(tok, name=f"byte-level (256 bytes + {BYTE_EOS})", eos_token=BYTE_EOS,
-                   eos_token_id=tok.token_to_id(BYTE_EOS), add_bos=False)
+                   eos_token_id=tok.token_to_id(BYTE_EOS), add_bos=False,
+                   chat_template=PLAIN_CHAT_TEMPLATE)
+
+
+# The demo model's chat template (it has no checkpoint to carry one): one "role: content"
+# line per message, then "assistant: " when a reply is to follow.
+PLAIN_CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n"
+                       "{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}")
 
 
 def _byte_alphabet() -> dict[int, str]:
