@@ -8,7 +8,7 @@ generated corpus (no hub access: `dataset_path: json`), then runs lm-eval twice:
 against a `python -m jlco.serve --checkpoint` started here (`echo` + `logprobs`, prompts
 sent as token-id lists, --batch_size prompts per request). Per sample: the
 log-likelihood of each choice / continuation from both, their largest difference, and
-whether every accuracy agrees. Needs `pip install lm_eval` (not a jlco dependency).
+whether every accuracy agrees (other metrics within 1e-5 relative). Needs `pip install lm_eval` (not a jlco dependency).
 
   python tools/lm_eval_parity.py --num_docs 40 --batch_size 4
 
@@ -125,6 +125,14 @@ def run_lm_eval(model: str, model_args: dict, tasks: list[str], include: pathlib
     return out
 
 
+def _same(a: dict, b: dict) -> bool:
+    """Accuracies equal exactly; other metrics (perplexity: exp of a mean) within 1e-5."""
+    if set(a) != set(b):
+        return False
+    return all(a[k] == b[k] if k.startswith("acc") else
+               abs(a[k] - b[k]) <= 1e-5 * max(abs(a[k]), 1.0) for k in a)
+
+
 def compare(hf: dict, served: dict) -> dict:
     out = {}
     for task in hf:
@@ -132,7 +140,7 @@ def compare(hf: dict, served: dict) -> dict:
         b = np.array(sum(served[task]["loglik"], []))
         out[task] = dict(samples=len(a), max_abs_diff=float(np.abs(a - b).max()),
                          hf=hf[task]["metrics"], jlco=served[task]["metrics"],
-                         metrics_equal=hf[task]["metrics"] == served[task]["metrics"])
+                         metrics_equal=_same(hf[task]["metrics"], served[task]["metrics"]))
     return out
 
 
@@ -154,7 +162,7 @@ def main(argv) -> int:
                               FLAGS.server_timeout_s, prog="lm_eval_parity")
     try:
         served = run_lm_eval("local-completions", dict(
-            base_url=f"{srv.url}/v1/completions", model="jlco", tokenizer=str(ck),
+            base_url=f"{srv.url}/v1/completions", model=ck.name, tokenizer=str(ck),
             tokenizer_backend="huggingface", tokenized_requests=True, num_concurrent=1,
             max_retries=1), tasks, tasks_dir)
     finally:
