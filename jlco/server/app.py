@@ -102,6 +102,10 @@ def create_app(state: ServerState) -> FastAPI:
     app.get("/health")(health)
     app.get("/metrics")(prometheus)
     app.get("/v1/models")(models)
+    app.get("/v1/models/{model_id:path}")(model_info)
+    app.post("/tokenize")(tokenize)
+    app.post("/detokenize")(detokenize)
+    app.post("/v1/reset_prefix_cache")(reset_prefix_cache)
     app.post("/v1/completions")(completions)
     app.post("/v1/chat/completions")(chat)
     app.post("/v1/internal/prefilled")(import_prefilled)
@@ -121,8 +125,12 @@ async def _not_found(request: Request, _):
     return _error(ApiError(404, f"no route {request.method} {request.url.path}"))
 
 
-async def _bad_method(request: Request, _):
-    return _error(ApiError(405, f"method {request.method} not allowed on {request.url.path}"))
+async def _bad_method(request: Request, exc):
+    resp = _error(ApiError(405, f"method {request.method} not allowed on {request.url.path}"))
+    allow = (getattr(exc, "headers", None) or {}).get("Allow")
+    if allow:
+        resp.headers["Allow"] = allow
+    return resp
 
 
 async def _auth(request: Request, call_next):
@@ -147,12 +155,65 @@ async def prometheus(request: Request):
                     media_type=CONTENT_TYPE_LATEST)
 
 
+def _model_card(state: ServerState) -> dict:
+    return {"id": state.model_name, "object": "model", "created": state.created,
+            "owned_by": "jlco", "root": state.model_name, "max_model_len": state.max_context_len,
+            "index_topk": state.index_topk}
+
+
 async def models(request: Request):
+    return {"object": "list", "data": [_model_card(_state(request))]}
+
+
+async def model_info(request: Request, model_id: str):
+    """GET /v1/models/{id} (`client.models.retrieve`)."""
     state = _state(request)
-    return {"object": "list", "data": [{
-        "id": state.model_name, "object": "model", "created": state.created,
-        "owned_by": "jlco", "root": state.model_name, "max_model_len": state.max_context_len,
-        "index_topk": state.index_topk}]}
+    if model_id != state.model_name:
+        raise ApiError(404, f"The model `{model_id}` does not exist (this server serves "
+                            f"`{state.model_name}`)", "model")
+    return _model_card(state)
+
+
+async def tokenize(request: Request):
+    """vLLM's POST /tokenize: {"prompt": text} or {"messages": [...]} (the chat template)
+    → {"count", "max_model_len", "tokens"}."""
+    state = _state(request)
+    body = parse_json(await request.body())
+    if state.codec is None:
+        raise ApiError(503, state.not_ready() or "no tokenizer loaded")
+    if "messages" in body:
+        p, messages, add_gen = parse_chat({"messages": body["messages"], **(
+            {"add_generation_prompt": body["add_generation_prompt"]}
+            if "add_generation_prompt" in body else {})})
+        ids = state.codec.encode_chat(_chat_text(state.codec, messages, add_gen))
+    elif isinstance(body.get("prompt"), str):
+        ids = state.codec.encode(body["prompt"])
+    else:
+        raise bad("prompt", "required: a string (or \"messages\": a chat)")
+    return {"count": len(ids), "max_model_len": state.max_context_len, "tokens": ids}
+
+
+async def detokenize(request: Request):
+    """vLLM's POST /detokenize: {"tokens": [ids]} → {"prompt": text}."""
+    state = _state(request)
+    body = parse_json(await request.body())
+    toks = body.get("tokens")
+    if not isinstance(toks, list) or not all(isinstance(t, int) and not isinstance(t, bool)
+                                             and t >= 0 for t in toks):
+        raise bad("tokens", "required: a list of token ids (integers >= 0)")
+    if state.codec is None:
+        raise ApiError(503, state.not_ready() or "no tokenizer loaded")
+    return {"prompt": state.codec.decode(toks)}
+
+
+async def reset_prefix_cache(request: Request):
+    """Drop every cached prefix page (vLLM's /reset_prefix_cache; behind the API key)."""
+    state = _state(request)
+    why = state.not_ready()
+    if why:
+        raise ApiError(503, why)
+    n = await asyncio.wrap_future(state.loop.call(lambda engine: engine.reset_prefix_cache()))
+    return {"dropped_pages": n}
 
 
 async def completions(request: Request):
@@ -162,18 +223,22 @@ async def completions(request: Request):
 
 async def chat(request: Request):
     params, messages, add_gen = parse_chat(parse_json(await request.body()))
-    codec = _state(request).codec
+    text = _chat_text(_state(request).codec, messages, add_gen)
+    return await _serve(request, params, text, chat=True)
+
+
+def _chat_text(codec, messages: list[dict], add_gen: bool) -> str:
+    """The chat rendered by the codec's template, or a 400."""
     if codec is None or codec.chat_template is None:
         raise ApiError(400, "this model has no chat template (the checkpoint's "
                             "tokenizer_config.json carries none): use /v1/completions",
                        "messages")
     try:
-        text = render_chat(codec.chat_template, messages, add_generation_prompt=add_gen,
+        return render_chat(codec.chat_template, messages, add_generation_prompt=add_gen,
                            bos_token=getattr(codec, "bos_token", None) or "",
                            eos_token=getattr(codec, "eos_token", None) or "")
     except ValueError as err:
         raise ApiError(400, f"messages: {err}", "messages") from None
-    return await _serve(request, params, text, chat=True)
 
 
 async def import_prefilled(request: Request):

@@ -116,12 +116,29 @@ class _EngineCollector:
                                     value=status.slots * slot_bytes)
         yield CounterMetricFamily("jlco_orphans_swept", "Orphaned requests freed by the "
                                   "lifecycle sweep", value=getattr(eng, "orphans_swept", 0))
+        yield from _prefix_metrics(eng)
         spec = eng.spec_metrics
         if spec is not None:
             yield CounterMetricFamily("jlco_mtp_draft_tokens", "Draft tokens proposed",
                                       value=spec.drafted)
             yield CounterMetricFamily("jlco_mtp_accepted_tokens", "Draft tokens accepted",
                                       value=spec.accepted)
+
+
+def _prefix_metrics(eng):
+    """The prefix cache's counters (vLLM's prefix_cache_queries / _hits, in prompt
+    tokens) and its size; nothing with cache.prefix_cache off."""
+    stats = eng.prefix_stats() if hasattr(eng, "prefix_stats") else None
+    if stats is None:
+        return
+    yield CounterMetricFamily("jlco_prefix_cache_queries", "Prompt tokens looked up in the "
+                              "prefix cache", value=stats["queries"])
+    yield CounterMetricFamily("jlco_prefix_cache_hits", "Prompt tokens the prefix cache gave "
+                              "(not prefilled)", value=stats["hits"])
+    yield GaugeMetricFamily("jlco_prefix_cache_pages", "Pages in the prefix cache",
+                            value=stats["pages"])
+    yield GaugeMetricFamily("jlco_prefix_cache_bytes", "Host bytes of the prefix cache",
+                            value=stats["bytes"])
 
 
 def _rank_metrics(status):

@@ -121,3 +121,39 @@ def test_cached_tokens_are_reported(client):
 def test_bad_values_name_the_field(server, body, param):
     r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_models_retrieve_tokenize_and_detokenize(client, server):
+    name = client.models.list().data[0].id
+    assert client.models.retrieve(name).id == name
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-17")
+    t = httpx.post(f"{server.url}/tokenize", json={"prompt": "héllo"}, timeout=60).json()
+    assert t["count"] == len(t["tokens"]) == len("héllo".encode())     # byte-level demo
+    d = httpx.post(f"{server.url}/detokenize", json={"tokens": t["tokens"]}, timeout=60)
+    assert d.json() == {"prompt": "héllo"}
+    chat = httpx.post(f"{server.url}/tokenize", json={
+        "messages": [{"role": "user", "content": "hi"}]}, timeout=60).json()
+    assert chat["count"] == len("user: hi\nassistant: ")
+    bad = httpx.post(f"{server.url}/detokenize", json={"tokens": [1, True]}, timeout=60)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+
+
+def test_405_names_the_allowed_methods(server):
+    r = httpx.get(f"{server.url}/v1/completions", timeout=60)
+    assert r.status_code == 405 and r.headers["allow"] == "POST"
+
+
+def test_prefix_metrics_and_reset(client, server):
+    def scrape():
+        text = httpx.get(f"{server.url}/metrics", timeout=60).text
+        return {l.split()[0]: float(l.split()[1]) for l in text.splitlines()
+                if l.startswith("jlco_prefix_cache")}
+    p = [(11 * i + 2) % 250 for i in range(40)]
+    _greedy(client, p, max_tokens=1)
+    m = scrape()
+    assert m["jlco_prefix_cache_pages"] > 0 and m["jlco_prefix_cache_bytes"] > 0
+    assert 0 <= m["jlco_prefix_cache_hits_total"] <= m["jlco_prefix_cache_queries_total"]
+    r = httpx.post(f"{server.url}/v1/reset_prefix_cache", timeout=60).json()
+    assert r["dropped_pages"] == m["jlco_prefix_cache_pages"]
+    assert scrape()["jlco_prefix_cache_pages"] == 0
