@@ -255,7 +255,8 @@ def main(argv):
     finally:
         if state.loop is not None:
             aborted = state.loop.drain(FLAGS.grace_s)
-            _say(f"drained: {aborted} request(s) aborted after the {FLAGS.grace_s:g} s grace")
+            _say(f"drained: {aborted} request(s) still running after the {FLAGS.grace_s:g} s "
+                 "grace were aborted" if aborted else "drained: no request was left running")
         if state.engine is not None:
             state.engine.close()   # the host pool (a "file" pool deletes its file)
     if failure:
@@ -297,20 +298,23 @@ class _Server:
                     self.on_started()
 
             def handle_exit(self, sig, frame):
-                if state.loop is not None and not state.loop.draining:
-                    # The engine aborts what still runs at grace_s, so those streams end
-                    # with finish_reason "abort" before uvicorn's own deadline (grace_s +
-                    # DRAIN_SLACK_S) would cancel their handlers.
-                    state.loop.draining = True
-                    threading.Thread(target=state.loop.drain, args=(grace_s,),
-                                     name="jlco-drain", daemon=True).start()
-                _say(f"{PROG}: {'SIGTERM' if sig == 15 else 'SIGINT' if sig == 2 else sig}: "
-                     "draining (new requests get 503)")
-                super().handle_exit(sig, frame)
-                # uvicorn re-raises the signal after shutdown (death by SIGTERM); a drain
-                # that completed is a clean exit: 0.
-                if hasattr(self, "_captured_signals"):
-                    self._captured_signals.clear()
+                name = 'SIGTERM' if sig == 15 else 'SIGINT' if sig == 2 else sig
+                if state.loop is None or state.loop.draining:
+                    # not serving yet, or a second signal: stop now
+                    super().handle_exit(sig, frame)
+                    if hasattr(self, "_captured_signals"):
+                        self._captured_signals.clear()
+                    return
+                # The port stays open while the engine drains, so a new request gets 503
+                # (not "connection refused"); the engine aborts what still runs at grace_s,
+                # so those streams end with finish_reason "abort", then uvicorn shuts down.
+                state.loop.draining = True
+                _say(f"{PROG}: {name}: draining (new requests get 503 until the port closes)")
+
+                def drain_then_exit():
+                    state.loop.drain(grace_s)
+                    self.should_exit = True
+                threading.Thread(target=drain_then_exit, name="jlco-drain", daemon=True).start()
 
         return Server(config)
 

@@ -173,3 +173,44 @@ def test_host_watermark_soak_refuses_or_serves_every_request():
     finally:
         assert srv.stop() == 0, srv.stderr[-3000:]
     assert "Traceback" not in srv.stderr
+
+
+def test_sigterm_answers_503_until_the_port_closes():
+    """While a SIGTERM drains a running stream the port stays open: a new request gets
+    503 in the error shape; the drain line says what happened; exit 0."""
+    import signal
+    import threading
+    srv = ServerProcess(*TINY_OFFLOAD, "--grace_s", "20")
+    reasons, started = [], threading.Event()
+
+    def long_stream():
+        with httpx.stream("POST", f"{srv.url}/v1/completions", timeout=120, json={
+                "prompt": [5] * 20, "max_tokens": 300, "ignore_eos": True, "stream": True,
+                "temperature": 0}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    started.set()
+                    reason = json.loads(line[6:])["choices"][0]["finish_reason"]
+                    if reason:
+                        reasons.append(reason)
+    t = threading.Thread(target=long_stream)
+    t.start()
+    assert started.wait(120)
+    srv.proc.send_signal(signal.SIGTERM)
+    time.sleep(0.5)
+    r = httpx.post(f"{srv.url}/v1/completions", json={"prompt": "x", "max_tokens": 1},
+                   timeout=60)
+    assert r.status_code == 503 and r.json()["error"]["code"] == 503, r.text
+    t.join(120)
+    code = srv.stop()
+    assert code == 0, srv.stderr[-3000:]
+    assert reasons in (["length"], ["abort"]), reasons
+    assert "drained:" in srv.stderr and "Traceback" not in srv.stderr
+
+
+def test_an_idle_server_stops_at_once():
+    srv = ServerProcess(*TINY_OFFLOAD)
+    t0 = time.monotonic()
+    assert srv.stop() == 0
+    assert time.monotonic() - t0 < 10
+    assert "drained: no request was left running" in srv.stderr
