@@ -30,6 +30,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from jlco.engine.scheduler import RequestError
 from jlco.server.loop import Delta, EngineLoop, Stream, refusal
 from jlco.server.metrics import ServerMetrics
+from jlco.server import schema
 from jlco.server.responses import Choice, Piece, sse, whole
 from jlco.server.protocol import (
     ApiError,
@@ -99,17 +100,21 @@ def create_app(state: ServerState) -> FastAPI:
     app.add_exception_handler(404, _not_found)
     app.add_exception_handler(405, _bad_method)
     app.middleware("http")(_auth)
+    none = schema.route_extra(None)
     app.get("/health")(health)
-    app.get("/metrics")(prometheus)
-    app.get("/v1/models")(models)
-    app.get("/v1/models/{model_id:path}")(model_info)
-    app.post("/tokenize")(tokenize)
-    app.post("/detokenize")(detokenize)
-    app.post("/v1/reset_prefix_cache")(reset_prefix_cache)
-    app.post("/v1/completions")(completions)
-    app.post("/v1/chat/completions")(chat)
-    app.post("/v1/internal/prefilled")(import_prefilled)
-    app.post("/v1/internal/prefill")(export_prefill)
+    app.get("/metrics", responses=schema.METRICS_RESPONSE,
+            response_class=Response)(prometheus)
+    app.get("/v1/models", openapi_extra=none)(models)
+    app.get("/v1/models/{model_id:path}", openapi_extra=none)(model_info)
+    app.post("/tokenize", openapi_extra=none)(tokenize)
+    app.post("/detokenize", openapi_extra=none)(detokenize)
+    app.post("/v1/reset_prefix_cache", openapi_extra=none)(reset_prefix_cache)
+    app.post("/v1/completions", openapi_extra=schema.route_extra(schema.CompletionBody))(
+        completions)
+    app.post("/v1/chat/completions", openapi_extra=schema.route_extra(schema.ChatBody))(chat)
+    app.post("/v1/internal/prefilled", openapi_extra=none)(import_prefilled)
+    app.post("/v1/internal/prefill", openapi_extra=none)(export_prefill)
+    schema.add_components(app)
     return app
 
 
@@ -312,6 +317,7 @@ async def _serve(request: Request, p: SamplingRequest, chat_text: str | None, *,
         for c in choices:       # nobody will read them: give their slots back
             state.loop.abort(c.stream, "abort")
             c.stream.closed = True
+            request.app.state.metrics.requests.labels("abort").inc()
         raise
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}"
     if p.stream:
@@ -416,6 +422,8 @@ async def _generate(request: Request, state: ServerState, stream: Stream, detok:
                 last_t = now
                 metrics.generated_tokens.inc(len(delta.tokens))
             if delta.error is not None:
+                stream.closed = True
+                metrics.requests.labels("error").inc()
                 raise ApiError(500, f"the engine failed while serving this request: "
                                     f"{delta.error}")
             text, ids = [], []
@@ -447,6 +455,7 @@ async def _generate(request: Request, state: ServerState, stream: Stream, detok:
             if ids:
                 yield Piece("".join(text), ids, start=start)
     finally:
-        if not stream.closed:
+        if not stream.closed:      # the client went away (or the engine failed)
             loop.abort(stream, "abort")
             stream.closed = True
+            metrics.requests.labels("abort").inc()   # every request ends in one outcome
