@@ -157,6 +157,7 @@ def plot(runs: list[dict], path: pathlib.Path) -> None:
     for r in runs:
         turns = [x["turn"] for x in r["turns"]]
         ax.plot(turns, [x["ttft_s"]["p50"] for x in r["turns"]], marker="o", label=r["label"])
+    ax.set_xticks([x["turn"] for x in runs[0]["turns"]])
     ax.set_xlabel("turn")
     ax.set_ylabel("TTFT p50 (s)")
     ax.set_title(f"first turn {FLAGS.first_len} tokens, +{FLAGS.add_len} per turn")
