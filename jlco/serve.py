@@ -22,7 +22,6 @@ import logging as pylog
 import pathlib
 import sys
 import threading
-import time
 
 from absl import app, flags, logging
 
@@ -104,7 +103,8 @@ def memory_plan(cfg, weight_bytes: int) -> list[str]:
     import jax
 
     from jlco.engine.allocation import (batch_for_budget, device_cache_bytes,
-                                        prefill_workspace_bytes)
+                                        prefill_workspace_bytes, prefix_cache_bytes,
+                                        prefix_pages)
     from jlco.model.kv_cache import cache_layers
     batch = cfg.engine.max_batch_size
     dev_cache = device_cache_bytes(cfg, batch)
@@ -135,6 +135,10 @@ def memory_plan(cfg, weight_bytes: int) -> list[str]:
                  f"it: two [1, {cfg.engine.max_context_len}] caches + one "
                  f"{cfg.engine.prefill_chunk}-token chunk's working set, whatever the prompts' "
                  "lengths)")
+    if cfg.cache.prefix_cache:
+        lines.append(f"memory: prefix cache up to {gb(prefix_cache_bytes(cfg))} in host memory "
+                     f"({prefix_pages(cfg) * cfg.cache.page_size} positions, least recently "
+                     "used first out; cache.prefix_cache_tokens)")
     b_off = batch_for_budget(off_cfg, budget, other_bytes=weight_bytes)
     b_on = batch_for_budget(on_cfg, budget, other_bytes=weight_bytes)
     lines.append(f"memory: device budget {gb(budget)} ({why}): largest batch {b_off} with "
