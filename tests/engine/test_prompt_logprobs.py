@@ -86,3 +86,24 @@ def test_every_generated_token_gets_its_alternatives(pair, offload):
         assert abs(top[0][1] - lp) < 1e-5
     alone = Engine(CFG.replace(cache__offload=offload), model).generate([other], 5)[0]
     assert plain.tokens == alone.tokens
+
+
+def test_speculative_steps_give_the_same_alternatives():
+    """With MTP drafts each emitted token (accepted drafts and the bonus token alike)
+    carries the alternatives the plain step gives it (f32, greedy)."""
+    from tests.support.engine_workload import make_model
+    cfg = CFG.replace(model__num_nextn_predict_layers=1)
+    model = make_model(cfg)
+    prompt = list(range(3, 60))
+    plain = Engine(cfg, model).generate([prompt], 6)[0]
+    spec_eng = Engine(cfg.replace(engine__num_draft_tokens=1), model)
+    spec = spec_eng.submit(prompt, 6, top_logprobs=3)
+    spec_eng.run()
+    ref = Engine(cfg, model)
+    want = ref.submit(prompt, 6, top_logprobs=3)
+    ref.run()
+    assert spec.tokens == want.tokens == plain.tokens and len(spec.top_out) == 6
+    assert spec_eng.spec_metrics.drafted > 0
+    for a, b in zip(spec.top_out, want.top_out):
+        assert [i for i, _ in a] == [i for i, _ in b]
+        np.testing.assert_allclose([v for _, v in a], [v for _, v in b], atol=1e-5)

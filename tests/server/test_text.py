@@ -58,7 +58,11 @@ def test_byte_level_round_trip(byte_codec, text):
 def test_byte_level_codec_fields(byte_codec):
     assert byte_codec.vocab_size == 257
     assert byte_codec.eos_token_id == 256 and byte_codec.eos_token == "<|endoftext|>"
-    assert byte_codec.chat_template is None and "byte-level" in byte_codec.name
+    assert "byte-level" in byte_codec.name
+    from jlco.server.text import render_chat
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    assert render_chat(byte_codec.chat_template, msgs, add_generation_prompt=True) == \
+        "system: be brief\nuser: hi\nassistant: "
 
 
 def test_byte_level_too_small_vocab():
