@@ -97,7 +97,7 @@ class PrefillJob:
         if k is None:
             return None
         out = []
-        for (lo, hi, _), (lp, ids, lps) in zip(self.pieces, jax.device_get(self.prompt_lp)):
+        for (lo, hi, _), (lp, ids, lps) in zip(self.pieces, to_host(self.prompt_lp)):
             for r in range(min(hi, len(self.req.prompt) - 1) - lo):
                 out.append((float(lp[r]), [(int(i), float(v)) for i, v in zip(ids[r, :k],
                                                                                 lps[r, :k])]))
@@ -138,10 +138,22 @@ class PrefillJob:
         if rec is None:
             return None
         lo, hi, _ = self.pieces[-1]
-        parts = jax.device_get([r[:, 0] for r in self.prev_records] + [rec[:, 0]])
+        parts = [to_host(r[:, 0]) for r in self.prev_records] + [to_host(rec[:, 0])]
         real = min(rec.shape[2], hi - lo)
         return recent_queries(parts[:-1], parts[-1][:, :real], self.warmup_width,
                               record_rows(self.warmup))
+
+
+def to_host(tree):
+    """numpy copies of a tree of arrays, also when they span other processes' devices
+    (multi-process meshes: every process calls this in the same order, so the gather of
+    an array that is not replicated here is a collective all of them join)."""
+    def one(x):
+        if not isinstance(x, jax.Array) or x.is_fully_addressable or x.is_fully_replicated:
+            return np.asarray(x)
+        from jax.experimental import multihost_utils
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return jax.tree.map(one, tree)
 
 
 def pieces(cfg: Config, n: int) -> list[tuple[int, int, int]]:
@@ -172,7 +184,7 @@ def first_token_of(job: PrefillJob) -> tuple[int, float]:
     tok, logp = first_token(job.logits[None, 0], req)
     if req.top_logprobs:
         k = req.top_logprobs
-        _, ids, lps = jax.device_get(position_logprobs(job.logits[None, 0], np.int32([tok])))
+        _, ids, lps = to_host(position_logprobs(job.logits[None, 0], np.int32([tok])))
         req.top_out = [[(int(i), float(v)) for i, v in zip(ids[0, :k], lps[0, :k])]]
     return tok, logp
 

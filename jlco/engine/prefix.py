@@ -230,7 +230,8 @@ def load(cache, hit: PrefixHit, page_size: int):
 def reader(cache):
     """`PrefixCache.insert`'s `read` over a finished prefill's one-request cache."""
     def read(lo: int, hi: int):
-        parts = [jax.device_get(_read_block(cache, jnp.int32(at))) for at in range(lo, hi, BLOCK)]
+        from jlco.engine.prefill import to_host
+        parts = [to_host(_read_block(cache, jnp.int32(at))) for at in range(lo, hi, BLOCK)]
         lat, keys, scales = (None if parts[0][i] is None else
                              np.concatenate([p[i] for p in parts], axis=1)[:, :hi - lo]
                              for i in range(3))
@@ -291,7 +292,8 @@ def cache_job(runner, job) -> None:
     fix = None
     if runner.prefix.mtp and n % ps == 0 and job.piece_hidden is not None:
         lo, _, width = job.pieces[-1]
-        fix = (lo, np.asarray(jax.device_get(job.piece_hidden))[0, :width])
+        from jlco.engine.prefill import to_host
+        fix = (lo, to_host(job.piece_hidden)[0, :width])
     first = job.resume // ps - (job.hit is not None and job.hit.fix is not None)
     runner.prefix.insert(job.req.prompt, engine_prefill.pieces(runner.cfg, n), max(first, 0),
                          reader(job.cache), fix)
