@@ -171,7 +171,7 @@ def _common(body: dict, known: set[str]) -> dict:
     top_p = _or_default(body.get("top_p"), 1.0)
     top_k = _or_default(body.get("top_k"), 0)
     top_k = 0 if _is_int(top_k) and top_k == -1 else top_k
-    seed = body.get("seed")
+    seed = int_field(body, "seed", None, 0, 2 ** 32 - 1)   # null: the server draws one
     stop = body.get("stop")
     stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) \
@@ -198,8 +198,6 @@ def _common(body: dict, known: set[str]) -> dict:
         include_usage = opts.get("include_usage", False)
         if not isinstance(include_usage, bool):
             raise bad("stream_options.include_usage", "allowed true or false")
-    if isinstance(seed, float) and seed.is_integer():
-        seed = int(seed)
     return dict(model=model, temperature=temperature, top_p=top_p, n=int_field(body, "n", 1, 1, MAX_N),
                 top_k=top_k, seed=seed, stop=tuple(stop),
                 stop_token_ids=tuple(stop_ids), include_usage=include_usage, **flags)
