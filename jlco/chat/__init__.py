@@ -9,6 +9,7 @@ Modules
   reasoning     `<think>` ... `</think>` split into reasoning_content / content
   tool_parsers  tool calls in DeepSeek-V3.2 (DSML) and GLM-5 (`<tool_call>`) syntax
   tool_stream   the OpenAI delta shapes and the parsers' shared streaming machine
+  output        ChatOutput: both parsers in order, one object per response
   arguments     tool-call argument values -> JSON, typed by the request's schemas
 
 Server wiring (one chat request, model_type from the checkpoint's config.json):
@@ -20,6 +21,11 @@ Server wiring (one chat request, model_type from the checkpoint's config.json):
     prompt = deepseek_v32.encode_messages(messages, tools=body.get("tools"),
                                           thinking=thinking)  # (GLM-5: its Jinja)
     # tokenize `prompt` with special tokens recognised as text, no extra BOS
+    # simplest: out = output.ChatOutput(model_type, prompt, tools or None)
+    #   streaming: out.feed(text_delta) -> [delta, ...]; out.finish() at the end
+    #   whole: out.message(text) -> {"role", "content", "reasoning_content",
+    #                                ["tool_calls"]}; out.tool_calls_seen for the
+    #   finish_reason. What it does, in parts:
     think = reasoning.reasoning_parser_for(model_type, prompt)
     calls = tool_parsers.parser_for(model_type, body.get("tools"))  # when tools given
 
