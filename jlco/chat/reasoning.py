@@ -32,15 +32,16 @@ def prompt_opens_thinking(prompt: str, start: str = THINK_START) -> bool:
 
 def thinking_from_kwargs(kwargs: dict | None, default: bool) -> bool:
     """The thinking switch of a request's chat_template_kwargs: `thinking` (DeepSeek's
-    name) or `enable_thinking` (GLM's, also what vLLM reads for both); booleans only."""
-    value = default
+    name) or `enable_thinking` (GLM's, also what vLLM reads for both); booleans only. Either one true turns thinking
+    on (vLLM's rule); neither given: `default`."""
+    given = []
     for key in ("thinking", "enable_thinking"):
         if kwargs and key in kwargs:
             if not isinstance(kwargs[key], bool):
                 raise ValueError(f"chat_template_kwargs.{key}: must be true or false, "
                                  f"not {kwargs[key]!r}")
-            value = kwargs[key]
-    return value
+            given.append(kwargs[key])
+    return any(given) if given else default
 
 
 class ReasoningParser:

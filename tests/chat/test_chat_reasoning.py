@@ -114,6 +114,9 @@ def test_thinking_from_kwargs():
     assert thinking_from_kwargs({}, default=True) is True
     assert thinking_from_kwargs({"thinking": True}, default=False) is True
     assert thinking_from_kwargs({"enable_thinking": False}, default=True) is False
+    assert thinking_from_kwargs({"thinking": False, "enable_thinking": True},
+                                default=False) is True
+    assert thinking_from_kwargs({"thinking": False, "other": 1}, default=True) is False
     with pytest.raises(ValueError, match=r"^chat_template_kwargs.thinking: must be true "
                                          r"or false"):
         thinking_from_kwargs({"thinking": "yes"}, default=False)
