@@ -14,7 +14,7 @@ Modules
 
 Server wiring (one chat request, model_type from the checkpoint's config.json):
 
-    from jlco.chat import deepseek_v32, reasoning, tool_parsers
+    from jlco.chat import deepseek_v32, output, reasoning, tool_parsers
 
     thinking = reasoning.thinking_from_kwargs(body.get("chat_template_kwargs"),
                                               default=False)  # GLM-5's default: True
