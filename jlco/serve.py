@@ -5,13 +5,16 @@
 
 Without --checkpoint it serves a small RANDOM-WEIGHT model with the config's context
 and cache settings and says so (the real 671B shapes need a checkpoint and a mesh); its
-tokenizer is byte-level, so text in gives text out. The port opens at once (GET /health
-answers 503 while the model loads and compiles) and a readiness line follows the
+tokenizer is byte-level, so text in gives text out, and its chat template is plain
+("role: content" lines, then "assistant: "; `jlco.server.text.PLAIN_CHAT_TEMPLATE`).
+The port opens at once (GET /health answers 503 while the model loads and compiles)
+and a readiness line follows the
 banner, which prints the memory plan: device bytes (weights, cache), the host pool, and
 the largest batch with and without offload at the same device budget. SIGTERM or SIGINT
-drains: no new requests (503), running ones finish within --grace_s, the rest are
-aborted, the host pool (its file too) is freed, exit 0. Bad flags or config values: one
-`jlco.serve: error: ...` line, exit 2. Routes and fields: jlco/server/app.py. One process
+drains: the port stays open but new requests get 503, running ones finish within
+--grace_s, the rest are aborted, then the port closes, a `drained:` line says which
+happened, the host pool (its file too) is freed, exit 0; a second signal stops at once.
+Bad flags or config values: one `jlco.serve: error: ...` line, exit 2. Routes and fields: jlco/server/app.py. One process
 only: --num_processes > 1 (or $JAX_NUM_PROCESSES) is refused, since a multi-host engine
 needs every process to run the engine loop in lockstep (`jlco.generate` runs multi-host).
 """
@@ -168,7 +171,8 @@ def build_engine(cfg, choice, state) -> None:
             _say(f"{PROG}: {choice.checkpoint} has no tokenizer.json: prompts must be token ids")
     else:
         codec = TextCodec.byte_level(mcfg.vocab_size)
-        _say("tokenizer: byte-level (256 byte tokens + <|endoftext|>) for the random model")
+        _say("tokenizer: byte-level (256 byte tokens + <|endoftext|>) for the random model; "
+             "chat template: \"role: content\" lines, then \"assistant: \"")
     from flax import nnx
     weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(model)))
     for line in memory_plan(cfg, weights):
@@ -258,9 +262,7 @@ def main(argv):
         server.run()
     finally:
         if state.loop is not None:
-            aborted = state.loop.drain(FLAGS.grace_s)
-            _say(f"drained: {aborted} request(s) still running after the {FLAGS.grace_s:g} s "
-                 "grace were aborted" if aborted else "drained: no request was left running")
+            _say(state.loop.drain(FLAGS.grace_s).line())
         if state.engine is not None:
             state.engine.close()   # the host pool (a "file" pool deletes its file)
     if failure:

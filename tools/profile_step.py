@@ -106,7 +106,8 @@ def profile_decode(model, context: int) -> dict:
     # The step's own arguments, with the scan bucket the engine chose (`ModelRunner.dispatch`).
     scan = scan_bucket(int(run.slot_len.max()) + 1, run.max_len)
     args = (run.graphdef, run.state, dataclasses.replace(run.cache, scan_len=scan),
-            dataclasses.replace(StepInputs.from_requests([], b), active=np.ones((b,), bool)))
+            dataclasses.replace(StepInputs.from_requests([], b, eng.cfg.model.vocab_size),
+                                active=np.ones((b,), bool)))
     trace_dir = os.path.join(FLAGS.out, f"trace_decode_{context}")
     shutil.rmtree(trace_dir, ignore_errors=True)
     with jax.profiler.trace(trace_dir, create_perfetto_trace=True):

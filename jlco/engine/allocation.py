@@ -7,12 +7,15 @@ same allocation so the plan and the engine cannot disagree.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jlco.config import Config
 from jlco.engine import host_driven
+from jlco.engine.penalize import SeenTokens
 from jlco.model import kv_cache
 from jlco.model.kv_cache import DecodeCache, cache_layers, init_cache
 from jlco.offload.latent import STAT_NAMES, OffloadLatent
@@ -111,7 +114,7 @@ def _allocate(cfg: Config, host_memory: bool = True
               ) -> tuple[DecodeCache, PageAllocator | None]:
     pages = host_pages(cfg)
     if pages is None:
-        return init_cache(cfg), None
+        return _with_tables(cfg, init_cache(cfg)), None
     check_host_memory(cfg, pages.num_pages * cfg.cache.page_size * cfg.row_bytes
                       * cache_layers(cfg))
     # Host-driven: the pool is host_driven's HostLatentPool, outside the jitted cache.
@@ -134,7 +137,12 @@ def _allocate(cfg: Config, host_memory: bool = True
         page_table=jnp.full((batch, pages_per_req), -1, jnp.int32),
         step=jnp.int32(0), stats=jnp.zeros((n_layers, len(STAT_NAMES)), jnp.int32),
         policy=cfg.cache.eviction, page_size=page, chunk_rows=_chunk_rows(cfg))
-    return init_cache(cfg, latent=lat), pages
+    return _with_tables(cfg, init_cache(cfg, latent=lat)), pages
+
+
+def _with_tables(cfg: Config, cache: DecodeCache) -> DecodeCache:
+    """The batch cache with each slot's penalty tables (`jlco.engine.penalize`)."""
+    return dataclasses.replace(cache, seen=SeenTokens.zeros(cache.batch, cfg.model.vocab_size))
 
 
 def device_cache_bytes(cfg: Config, batch: int) -> int:

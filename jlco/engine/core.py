@@ -121,7 +121,8 @@ class Engine:
 
     def claim(self, request_id: int, prompt, max_new_tokens: int, temperature: float = 0.0,
               seed: int = 0, stop_token_ids: Iterable[int] = (), top_p: float = 1.0,
-              top_k: int = 0, top_logprobs: int = 0, prompt_logprobs=None) -> Request:
+              top_k: int = 0, top_logprobs: int = 0, prompt_logprobs=None, penalties=None,
+              min_p: float = 0.0, constraint=None) -> Request:
         """Start decoding an imported prefill with these sampling fields: its first token
         comes from the imported hidden state, then it decodes like any request. The
         prompt must be the imported one and max_new_tokens within the reserved room."""
@@ -135,9 +136,10 @@ class Engine:
             raise RequestError(f"max_new_tokens={max_new_tokens}: the import reserved room for "
                                f"{req.max_new_tokens}", "max_new_tokens")
         checked = self.check_request(prompt, max_new_tokens, temperature, seed, stop_token_ids,
-                                     top_p=top_p, top_k=top_k, top_logprobs=top_logprobs)
+                                     top_p=top_p, top_k=top_k, top_logprobs=top_logprobs,
+                                     penalties=penalties, min_p=min_p, constraint=constraint)
         for f in ("max_new_tokens", "temperature", "seed", "stop_token_ids", "top_p", "top_k",
-                  "top_logprobs"):   # prompt_logprobs: an import has no prompt rows to score
+                  "top_logprobs", "penalties", "min_p", "constraint"):   # prompt_logprobs: an import has no prompt rows to score
             setattr(req, f, getattr(checked, f))
         del self._imports[request_id]
         self._append(req, *self.runner.first_token(req))

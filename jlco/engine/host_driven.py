@@ -53,7 +53,6 @@ from jlco.model import kv_cache
 from jlco.model.kv_cache import DecodeCache, cache_layers
 from jlco.offload.host_fetch import HostFetcher, miss_list
 from jlco.engine.inputs import StepInputs
-from jlco.engine.sampling import sample
 from jlco.offload.host_pool import HostLatentPool, host_row_ids
 from jlco.offload.latent import resolve_selection
 
@@ -179,8 +178,7 @@ _end = jax.jit(_end_forward, donate_argnums=2)
 @functools.partial(jax.jit, donate_argnums=2)
 def _end_decode(graphdef, state, cache, x, saved_table, inputs: StepInputs):
     logits, cache = _end_forward(graphdef, state, cache, x, inputs.active, saved_table)
-    tok, logp = sample(logits[:, -1], inputs.sampling)
-    return tok, logp, cache
+    return engine_steps.sample_and_count(logits[:, -1], inputs, cache)
 
 
 _warm_up_tables = jax.jit(functools.partial(engine_steps.warm_up, fetch=False),
@@ -237,9 +235,9 @@ class HostDriven:
                                        record=True)
         return _end_decode(graphdef, state, cache, x, saved, inputs)
 
-    def install(self, cache: DecodeCache, temp: DecodeCache, slot, n, page_row):
+    def install(self, cache: DecodeCache, temp: DecodeCache, slot, n, page_row, seen_row=None):
         """As `engine_steps.install`, plus the prefilled rows into the host pool."""
-        cache = self._install(cache, temp, slot, n, page_row)
+        cache = self._install(cache, temp, slot, n, page_row, seen_row)
         table, n, p = np.asarray(page_row), int(n), self.page_size
         pos = np.arange(temp.max_len)
         page = table[np.minimum(pos // p, len(table) - 1)]

@@ -26,11 +26,11 @@ class StepInputs:
     limit: jax.Array           # int32 [b] tokens the request may still emit
 
     @classmethod
-    def from_requests(cls, running: Sequence, batch: int, last: Sequence[int] | int = 1,
-                      width: int | None = None) -> "StepInputs":
+    def from_requests(cls, running: Sequence, batch: int, vocab: int,
+                      last: Sequence[int] | int = 1, width: int | None = None) -> "StepInputs":
         """`running` at their slots; each slot's tokens are the request's last `last`
         (one count, or one per request) tokens, left-aligned in a [b, width] row
-        (default width: the largest count)."""
+        (default width: the largest count); vocab: the model's (constraint masks)."""
         last = [last] * len(running) if isinstance(last, int) else list(last)
         width = max(last, default=1) if width is None else width
         tokens = np.zeros((batch, width), np.int32)
@@ -39,7 +39,7 @@ class StepInputs:
         for r, k in zip(running, last):
             tokens[r.slot, :k], active[r.slot] = r.tokens[-k:], True
             limit[r.slot] = r.max_new_tokens - len(r.tokens)
-        return cls(tokens, active, SlotSampling.from_requests(running, batch), limit)
+        return cls(tokens, active, SlotSampling.from_requests(running, batch, vocab), limit)
 
 
 

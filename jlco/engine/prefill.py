@@ -179,13 +179,16 @@ def first_token_of(job: PrefillJob) -> tuple[int, float]:
     """A finished prefill's first token (token, log-prob) from its last logits; the
     request also gets its prompt log-probs (when it echoes) and the first token's
     alternatives (when it asks for `top_logprobs`)."""
-    req = job.req
-    req.prompt_logprob_out = job.prompt_result()
-    tok, logp = first_token(job.logits[None, 0], req)
+    job.req.prompt_logprob_out = job.prompt_result()
+    return first_of(job.logits[None, 0], job.req)
+
+
+def first_of(logits, req) -> tuple[int, float]:
+    """A request's first token (token, log-prob) from the logits [1, V] after its prompt
+    (a local prefill's or an imported one's); its alternatives go to `req.top_out`."""
+    tok, logp, alts = first_token(logits, req)
     if req.top_logprobs:
-        k = req.top_logprobs
-        _, ids, lps = to_host(position_logprobs(job.logits[None, 0], np.int32([tok])))
-        req.top_out = [[(int(i), float(v)) for i, v in zip(ids[0, :k], lps[0, :k])]]
+        req.top_out = [alts]
     return tok, logp
 
 

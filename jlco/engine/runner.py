@@ -29,11 +29,10 @@ import numpy as np
 from flax import nnx
 
 from jlco.config import Config
-from jlco.engine import host_driven, prefill as engine_prefill, prefix, steps, transfer
+from jlco.engine import host_driven, penalize, prefill as engine_prefill, prefix, steps, transfer
 from jlco.engine.allocation import allocate_cache
 from jlco.engine.inputs import DecodeOutput, StepInputs, alternatives
 from jlco.engine.prefill import WARMUP_QUERIES, PrefillJob
-from jlco.engine.sampling import first_token
 from jlco.engine.scheduler import Request
 from jlco.model.kv_cache import DecodeCache, cache_layers, scan_bucket
 from jlco.model.prefill import final_logits, prefill
@@ -132,7 +131,8 @@ class ModelRunner:
     def _jit_install(self):
         if self.host is not None:
             return self.host.install
-        return self.jit(steps.install_on_rank, 0, ("cache",), ("cache", "rep", "rep", "rep", "rep"))
+        return self.jit(steps.install_on_rank, 0, ("cache",),
+                        ("cache", "rep", "rep", "rep", "rep", "rep"))
 
     @functools.cached_property
     def _jit_warm_up(self):
@@ -173,25 +173,30 @@ class ModelRunner:
         sample its first token → (token, log-prob); its pages go to the prefix cache."""
         assert job.finished, "finish_prefill: pieces left"
         prefix.cache_job(self, job)
-        self._admit(job.cache, job.req.slot, len(job.req.prompt), job.page_row,
-                    job.warmup_record())
+        first = engine_prefill.first_token_of(job)
+        self._admit(job.cache, job.req, job.page_row, job.warmup_record(), first[0])
         job.cache = None
         if len(job.req.prompt) >= self.cfg.engine.prefill_chunk:
             release_free_memory()   # a long prefill's buffers, back to the OS (util.memory)
-        return engine_prefill.first_token_of(job)
+        return first
 
-    def install(self, temp: DecodeCache, slot: int, n: int, page_row) -> None:
+    def install(self, temp: DecodeCache, slot: int, n: int, page_row, seen_row=None) -> None:
         """A finished one-request prefill `temp` (n positions) into batch slot `slot`,
-        its latent rows into the host pages `page_row` when offloaded."""
+        its latent rows into the host pages `page_row` when offloaded, and the penalty
+        tables `seen_row` (`penalize.SeenTokens.row`; None: a request without any)."""
         page_row = None if page_row is None else jnp.asarray(page_row, jnp.int32)
-        self.cache = self._jit_install(self.cache, temp, jnp.int32(slot), jnp.int32(n), page_row)
+        row = penalize.no_penalties(self.cfg.model.vocab_size) if seen_row is None else seen_row
+        self.cache = self._jit_install(self.cache, temp, jnp.int32(slot), jnp.int32(n),
+                                       page_row, row)
         self.slot_len[slot] = n
 
-    def _admit(self, one: DecodeCache, slot: int, n: int, page_row, record) -> None:
-        """`install`, then (offloaded, with a record [L, w, k]) the hot-buffer warm-up."""
-        self.install(one, slot, n, page_row)
+    def _admit(self, one: DecodeCache, req: Request, page_row, record, first: int) -> None:
+        """`install` (with the request's penalty tables, its first token counted), then
+        (offloaded, with a record [L, w, k]) the hot-buffer warm-up."""
+        self.install(one, req.slot, len(req.prompt), page_row, penalize.SeenTokens.of_request(
+            self.cfg.model.vocab_size, req, [first]))
         if record is not None and self.offload:
-            self.cache, fetched = self._jit_warm_up(self.cache, jnp.int32(slot),
+            self.cache, fetched = self._jit_warm_up(self.cache, jnp.int32(req.slot),
                                                     jnp.asarray(record))
             self.warmup_rows += int(fetched)
 
@@ -212,12 +217,13 @@ class ModelRunner:
         prefill and sample its first token with `req`'s fields from the logits of the
         imported final hidden state."""
         p, page_row = self._imported.pop(req.id)
-        self._admit(transfer.import_cache(self.cfg, p, self.max_len), req.slot, len(p.prompt),
-                    page_row, p.record)
         h = jnp.asarray(p.hidden[None]).astype(jnp.dtype(self.cfg.model.dtype))
+        first = engine_prefill.first_of(final_logits(self.graphdef, self.state, h)[None, 0], req)
+        self._admit(transfer.import_cache(self.cfg, p, self.max_len), req, page_row, p.record,
+                    first[0])
         if self.spec is not None:
             self.spec.admit(req.id, h)
-        return first_token(final_logits(self.graphdef, self.state, h)[None, 0], req)
+        return first
 
     # ---- decode -------------------------------------------------------------------
     def decode(self, running: Sequence[Request]) -> DecodeOutput:
@@ -235,7 +241,7 @@ class ModelRunner:
             scan = scan_bucket(furthest + self.spec.n + 1, self.max_len)
             out, self.cache, stats = self.spec.step(self.cache, running, scan)
             if stats is not None:
-                self.record_stats(stats)
+                record_stats(self.metrics, stats)
             for r, toks in zip(running, out.tokens):
                 self.slot_len[r.slot] += len(toks)
             # Ran to the end: its wait counts as device time (its host share is not
@@ -244,7 +250,8 @@ class ModelRunner:
         scan = scan_bucket(furthest + 1, self.max_len)
         tok, logp, cache = self.decode_fn(self.graphdef, self.state,
                                           dataclasses.replace(self.cache, scan_len=scan),
-                                          StepInputs.from_requests(running, self.batch))
+                                          StepInputs.from_requests(running, self.batch,
+                                                                   self.cfg.model.vocab_size))
         self.cache = dataclasses.replace(cache, scan_len=None)
         for r in running:
             self.slot_len[r.slot] += 1
@@ -265,20 +272,13 @@ class ModelRunner:
         tok, logp, stats, rec = jax.device_get(pending.arrays)
         seconds = time.perf_counter() - pending.t0
         if stats is not None:
-            self.record_stats(stats)
+            record_stats(self.metrics, stats)
         if self.trace is not None:
             for r in running:
                 for layer in range(rec.shape[0]):
                     ids = rec[layer, r.slot, 0]
                     self.trace.record(r.id, len(r.tokens) - 1, layer, ids[ids >= 0])
         return _output(running, tok, logp, seconds, waited)
-
-    def record_stats(self, stats: np.ndarray) -> None:
-        for layer, row in enumerate(stats):
-            c = dict(zip(STAT_NAMES, (int(v) for v in row)))
-            self.metrics.update(layer, lookups=c["lookups"], hits=c["hits"], misses=c["misses"],
-                                h2d_rows=c["misses"], h2d_moved_rows=c["h2d_moved_rows"],
-                                d2h_rows=c["d2h_rows"])
 
     def forward(self, tokens, active) -> np.ndarray:
         """Append tokens [batch, s] to the active slots' caches → logits [batch, s, V]:
@@ -301,6 +301,15 @@ class ModelRunner:
             self.trace.close()
         if self.host is not None:
             self.host.close()
+
+
+def record_stats(metrics: OffloadMetrics, stats: np.ndarray) -> None:
+    """One step's offload counters [layers, STAT_NAMES] into `metrics`."""
+    for layer, row in enumerate(stats):
+        c = dict(zip(STAT_NAMES, (int(v) for v in row)))
+        metrics.update(layer, lookups=c["lookups"], hits=c["hits"], misses=c["misses"],
+                       h2d_rows=c["misses"], h2d_moved_rows=c["h2d_moved_rows"],
+                       d2h_rows=c["d2h_rows"])
 
 
 def _output(running, tok, logp, seconds: float, waited: float) -> DecodeOutput:

@@ -18,41 +18,56 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jlco.engine import constraint, penalize
+
 TOP_LOGPROBS = 20   # most alternatives per position (OpenAI's and vLLM's cap)
 
 
 @partial(jax.tree_util.register_dataclass,
-         data_fields=("temps", "top_ps", "top_ks", "seeds", "counts", "tops"), meta_fields=())
+         data_fields=("temps", "top_ps", "top_ks", "seeds", "counts", "tops", "min_ps",
+                      "constrained", "allowed"),
+         meta_fields=())
 @dataclasses.dataclass(frozen=True)
 class SlotSampling:
     """Per batch slot: temperature (0 = greedy), top-p (1 = off), top-k (0 = off), the
-    request's seed, how many tokens it has emitted (the PRNG index of its next) and how
-    many alternatives (top log-probs) it wants per token (0 = none)."""
+    request's seed, how many tokens it has emitted (the PRNG index of its next), how
+    many alternatives (top log-probs) it wants per token (0 = none), min-p (0 = off)
+    and, for a request with a `constraint.TokenConstraint`, its next tokens' bitmask."""
     temps: jax.Array     # f32 [b]
     top_ps: jax.Array    # f32 [b]
     top_ks: jax.Array    # int32 [b]
     seeds: jax.Array     # uint32 [b]
     counts: jax.Array    # int32 [b]
     tops: jax.Array      # int32 [b]
+    min_ps: jax.Array    # f32 [b]
+    constrained: jax.Array   # bool [b]
+    allowed: jax.Array   # int32 [b, ceil(V/32)] (`constraint.apply_mask`)
 
     @classmethod
-    def empty(cls, batch: int) -> "SlotSampling":
-        """Every slot greedy, unfiltered (idle slots keep these)."""
+    def empty(cls, batch: int, vocab: int) -> "SlotSampling":
+        """Every slot greedy, unfiltered, unconstrained (idle slots keep these)."""
         return cls(np.zeros((batch,), np.float32), np.ones((batch,), np.float32),
                    np.zeros((batch,), np.int32), np.zeros((batch,), np.uint32),
-                   np.zeros((batch,), np.int32), np.zeros((batch,), np.int32))
+                   np.zeros((batch,), np.int32), np.zeros((batch,), np.int32),
+                   np.zeros((batch,), np.float32),
+                   *constraint.host_masks((), batch, vocab, ()))
 
     @classmethod
-    def from_requests(cls, requests: Sequence, batch: int, slots: Sequence[int] | None = None,
+    def from_requests(cls, requests: Sequence, batch: int, vocab: int,
+                      slots: Sequence[int] | None = None,
                       counts: Sequence[int] | None = None) -> "SlotSampling":
         """The fields of `requests` at their slots (`slots`, default each request's
-        `.slot`), counts default len(request.tokens)."""
-        out = cls.empty(batch)
+        `.slot`), counts default len(request.tokens); constrained requests' masks as
+        their constraints stand now."""
         slots = [r.slot for r in requests] if slots is None else slots
+        out = dataclasses.replace(cls.empty(batch, vocab), **dict(zip(
+            ("constrained", "allowed"), constraint.host_masks(
+                [getattr(r, "constraint", None) for r in requests], batch, vocab, slots))))
         for i, (r, s) in enumerate(zip(requests, slots)):
             out.temps[s], out.top_ps[s], out.top_ks[s] = r.temperature, r.top_p, r.top_k
             out.seeds[s] = r.seed
             out.tops[s] = getattr(r, "top_logprobs", 0)
+            out.min_ps[s] = getattr(r, "min_p", 0.0)
             out.counts[s] = len(r.tokens) if counts is None else counts[i]
         return out
 
@@ -62,7 +77,7 @@ class SlotSampling:
 
     def repeat(self, s: int) -> "SlotSampling":
         """Each slot's fields s times ([b] → [b * s]), for s positions per slot."""
-        return jax.tree.map(lambda x: jnp.repeat(x, s), self)
+        return jax.tree.map(lambda x: jnp.repeat(x, s, axis=0), self)
 
 
 def request_keys(seeds, counts):
@@ -77,17 +92,21 @@ def sample_key(seed: int, count: int) -> np.ndarray:
     return np.asarray(jax.random.fold_in(jax.random.PRNGKey(seed), count))
 
 
-def sampling_logits(logits, temps, top_ps, top_ks):
+def sampling_logits(logits, temps, top_ps, top_ks, min_ps=None):
     """The logits a sampled row draws from: logits [b, V] f32 divided by the row's
-    temperature (temps [b], 0 = greedy rows are left untempered), then top-k (top_ks [b]
-    int32, 0 = off) and top-p (top_ps [b], 1 = off; nucleus over the top-k-renormalised
-    distribution, as vLLM applies them) set to -inf outside the kept set (ties with the
-    last kept value are kept). The sort over the vocabulary runs only when some row
-    filters."""
+    temperature (temps [b], 0 = greedy rows are left untempered), then min-p (min_ps
+    [b], 0 = off: tokens less likely than min_p times the most likely one), top-k
+    (top_ks [b] int32, 0 = off) and top-p (top_ps [b], 1 = off; nucleus over the
+    top-k-renormalised distribution), in vLLM's order, set to -inf outside the kept set
+    (ties with the last kept value are kept). The sort over the vocabulary runs only
+    when some row filters."""
     scaled = logits / jnp.where(temps > 0, temps, 1.0)[:, None]
     v = logits.shape[-1]
+    min_ps = jnp.zeros_like(temps) if min_ps is None else min_ps
 
     def filtered(x):
+        floor = jnp.max(x, axis=-1, keepdims=True) + jnp.log(min_ps)[:, None]
+        x = jnp.where((min_ps > 0)[:, None] & (x < floor), -jnp.inf, x)
         desc = -jnp.sort(-x, axis=-1)                                   # [b, V]
         k = jnp.where(top_ks > 0, jnp.minimum(top_ks, v), v)
         idx = jnp.arange(v)[None]
@@ -102,14 +121,14 @@ def sampling_logits(logits, temps, top_ps, top_ks):
         # alone as beside rows that filter).
         return jnp.where(row_filters[:, None] & (x < thresh), -jnp.inf, x)
 
-    row_filters = (temps > 0) & ((top_ks > 0) | (top_ps < 1.0))
+    row_filters = (temps > 0) & ((top_ks > 0) | (top_ps < 1.0) | (min_ps > 0))
     return jax.lax.cond(jnp.any(row_filters), filtered, lambda x: x, scaled)
 
 
-def draw(logits, temps, keys, top_ps, top_ks):
+def draw(logits, temps, keys, top_ps, top_ks, min_ps=None):
     """logits [b, V] → (tokens int32 [b], the filtered logits [b, V]): greedy rows take
     the argmax, sampled rows draw from `sampling_logits` with their key."""
-    flat = sampling_logits(logits, temps, top_ps, top_ks)
+    flat = sampling_logits(logits, temps, top_ps, top_ks, min_ps)
     drawn = jax.vmap(jax.random.categorical)(keys, flat)
     return jnp.where(temps > 0, drawn, jnp.argmax(logits, axis=-1)).astype(jnp.int32), flat
 
@@ -120,23 +139,26 @@ def token_logprobs(logits, tokens):
     return jnp.take_along_axis(logp, tokens[..., None], axis=-1)[..., 0]
 
 
-def sample_rows(logits, temps, keys, top_ps=None, top_ks=None):
+def sample_rows(logits, temps, keys, top_ps=None, top_ks=None, min_ps=None):
     """logits [b, V] f32, temps [b], keys [b, 2], top_ps [b] (default 1 = off), top_ks
-    [b] int32 (default 0 = off) → (tokens [b], logprobs [b]); temp 0 = greedy (top-p/k
-    ignored); the log-prob is of the untempered, unfiltered distribution (what
-    `--json` reports)."""
+    [b] int32 (default 0 = off), min_ps [b] (default 0 = off) → (tokens [b], logprobs
+    [b]); temp 0 = greedy (the filters ignored); the log-prob is of the untempered,
+    unfiltered distribution (what `--json` reports)."""
     b = logits.shape[0]
     top_ps = jnp.ones((b,), jnp.float32) if top_ps is None else top_ps
     top_ks = jnp.zeros((b,), jnp.int32) if top_ks is None else top_ks
-    tok, _ = draw(logits, temps, keys, top_ps, top_ks)
+    tok, _ = draw(logits, temps, keys, top_ps, top_ks, min_ps)
     return tok, token_logprobs(logits, tok)
 
 
-def sample(logits, sampling: SlotSampling):
+def sample(logits, sampling: SlotSampling, seen=None):
     """logits [b, V] → (tokens [b], (log-probs [b], alternatives `top_alternatives`))
-    with each slot's own fields."""
+    with each slot's own fields, after its penalties (`seen`: the slots' penalty tables,
+    `jlco.engine.penalize`; None: none) and within its constraint's mask."""
+    logits = constraint.apply_mask(logits, sampling.constrained, sampling.allowed)
+    logits = penalize.apply(logits, seen, sampling.counts)
     tok, logp = sample_rows(logits, sampling.temps, sampling.keys(), sampling.top_ps,
-                            sampling.top_ks)
+                            sampling.top_ks, sampling.min_ps)
     return tok, (logp, *top_alternatives(logits, sampling.tops))
 
 
@@ -173,11 +195,17 @@ def position_logprobs(logits, next_tokens, *, k: int = TOP_LOGPROBS):
 sample_first = jax.jit(sample)
 
 
-def first_token(logits, request) -> tuple[int, float]:
-    """A request's token number 0 from the logits [1, V] at its last prompt position."""
-    tok, (logp, _, _) = sample_first(logits.astype(jnp.float32), SlotSampling.from_requests(
-        [request], 1, slots=[0], counts=[0]))
-    return int(tok[0]), float(logp[0])
+def first_token(logits, request) -> tuple[int, float, list[tuple[int, float]]]:
+    """A request's token number 0 from the logits [1, V] at its last prompt position,
+    after its penalties (the prompt's tokens for the repetition penalty, the bias,
+    min_tokens) → (token, log-prob, its `request.top_logprobs` alternatives)."""
+    seen = penalize.SeenTokens.row(logits.shape[-1], request.prompt, (),
+                                   request.penalties, request.stop_token_ids)
+    sampling = SlotSampling.from_requests([request], 1, logits.shape[-1], slots=[0], counts=[0])
+    tok, (logp, ids, lps) = sample_first(logits.astype(jnp.float32), sampling, seen)
+    k = request.top_logprobs
+    alts = [(int(i), float(v)) for i, v in zip(ids[0, :k], lps[0, :k])] if k else []
+    return int(tok[0]), float(logp[0]), alts
 
 
 def rejection_accept(logits, drafts, keys):
@@ -204,20 +232,24 @@ def rejection_accept(logits, drafts, keys):
     return tokens.astype(jnp.int32), accept
 
 
-def verify(logits, drafts, sampling: SlotSampling, rule: str):
+def verify(logits, drafts, sampling: SlotSampling, rule: str, seen=None):
     """logits [b, s, V] of the verified positions, drafts [b, n] (s = n + 1) → (tokens
     int32 [b, s], (their log-probs [b, s], alternatives [b, s, K] x 2), leading accepted
-    drafts [b]) before the cap
-    on tokens left. Greedy rows: argmax, accepted while equal; sampled rows: "per_token"
-    draws with the non-speculative key and accepts while equal, "rejection" uses
-    `rejection_accept`. With n = 0 this is `sample` (one position, nothing to accept)."""
+    drafts [b]) before the cap on tokens left; each position after its penalties
+    (`penalize.apply_verified`, with `seen` the slots' tables). Greedy rows: argmax,
+    accepted while equal; sampled rows: "per_token" draws with the non-speculative key
+    and accepts while equal, "rejection" uses `rejection_accept`. A constrained row's
+    first position is masked (`constraint.apply_mask`) and its drafts are not accepted.
+    With n = 0 this is `sample` (one position, nothing to accept)."""
+    first = constraint.apply_mask(logits[:, 0], sampling.constrained, sampling.allowed)
+    logits = penalize.apply_verified(logits.at[:, 0].set(first), seen, sampling.counts, drafts)
     b, s, v = logits.shape
     keys = jax.vmap(lambda seed, c: jax.vmap(
         lambda j: jax.random.fold_in(jax.random.PRNGKey(seed), c + j))(jnp.arange(s)))(
         sampling.seeds, sampling.counts)                                   # [b, s, 2]
     rep = sampling.repeat(s)
     tok, flat = draw(logits.reshape(b * s, v), rep.temps, keys.reshape(b * s, -1),
-                     rep.top_ps, rep.top_ks)
+                     rep.top_ps, rep.top_ks, rep.min_ps)
     tok = tok.reshape(b, s)
     accept = drafts == tok[:, :s - 1]
     if rule == "rejection" and s > 1:
@@ -226,4 +258,5 @@ def verify(logits, drafts, sampling: SlotSampling, rule: str):
         tok = jnp.where(sampled[:, None], rej_tok, tok)
         accept = jnp.where(sampled[:, None], rej_accept, accept)
     accepted = jnp.cumprod(accept.astype(jnp.int32), axis=1).sum(axis=1)
+    accepted = jnp.where(sampling.constrained, 0, accepted)
     return tok, (token_logprobs(logits, tok), *top_alternatives(logits, sampling.tops)), accepted

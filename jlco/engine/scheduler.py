@@ -27,28 +27,12 @@ import dataclasses
 import itertools
 from typing import Iterable, Sequence
 
+from jlco.engine.errors import REFUSALS, RequestError  # noqa: F401 (re-exported)
+from jlco.engine.penalties import Penalties, check_penalties
 from jlco.offload.pages import HostPoolFull, PageAllocator, RankedPages
 
 STATUSES = ("waiting", "running", "finished", "aborted")
 FINISH_REASONS = ("length", "stop", "abort")
-# Why a request is refused (`RequestError.kind`): a bad value; prompt + max_new_tokens
-# beyond engine.max_context_len; no such request; no free batch slot / host pages now
-# (the same request may fit later).
-REFUSALS = ("invalid", "too_long", "not_found", "no_slot", "no_pages")
-
-
-class RequestError(ValueError):
-    """A refused request. The message names the field and what is allowed; `field` is
-    that field (None when no single field is at fault) and `kind` one of REFUSALS, so a
-    caller (the server's HTTP status) decides on them, never on the message's text."""
-
-    def __init__(self, message: str, field: str | None = None, kind: str = "invalid"):
-        if kind not in REFUSALS:
-            raise ValueError(f"kind={kind!r} is invalid: allowed one of {REFUSALS}")
-        super().__init__(message)
-        self.field, self.kind = field, kind
-
-
 @dataclasses.dataclass
 class Request:
     id: int
@@ -73,6 +57,9 @@ class Request:
     # per generated token with alternatives, [(id, logprob), ...].
     prompt_logprob_out: list | None = None
     top_out: list = dataclasses.field(default_factory=list)
+    penalties: Penalties = Penalties()   # presence/frequency/repetition, bias, min_tokens
+    min_p: float = 0.0               # min-p sampling (0 = off)
+    constraint: object = None        # a jlco.engine.constraint.TokenConstraint (None: free)
 
     @property
     def done(self) -> bool:
@@ -168,6 +155,9 @@ class RequestFields:
     top_k: int
     prompt_logprobs: int | None = None
     top_logprobs: int = 0
+    penalties: Penalties = Penalties()
+    min_p: float = 0.0
+    constraint: object = None
 
 
 MAX_LOGPROBS = 20   # alternatives per position at most (OpenAI's cap; sampling.TOP_LOGPROBS)
@@ -181,7 +171,9 @@ def _is_number(v, lo: float, hi: float, *, open_lo: bool = False) -> bool:
 def check_request(prompt: Sequence[int], max_new_tokens: int, temperature: float = 0.0,
                   seed: int = 0, stop_token_ids: Iterable[int] = (), *, top_p: float = 1.0,
                   top_k: int = 0, vocab_size: int, max_context_len: int,
-                  prompt_logprobs: int | None = None, top_logprobs: int = 0) -> RequestFields:
+                  prompt_logprobs: int | None = None, top_logprobs: int = 0,
+                  penalties: Penalties | None = None, min_p: float = 0.0,
+                  constraint=None) -> RequestFields:
     """The one check of a request's fields, for every way in (queued, claimed after a PD
     import, prefilled for export, and the server before it queues): → RequestFields, or
     RequestError naming the first bad field."""
@@ -215,8 +207,17 @@ def check_request(prompt: Sequence[int], max_new_tokens: int, temperature: float
         if v is not None and (isinstance(v, bool) or not isinstance(v, int)
                               or not 0 <= v <= MAX_LOGPROBS):
             raise RequestError(f"{name}={v!r}: allowed an integer in 0..{MAX_LOGPROBS}", name)
+    if not _is_number(min_p, 0.0, 1.0):
+        raise RequestError(f"min_p={min_p!r}: allowed a number in [0, 1] (0 = off)", "min_p")
+    pen = check_penalties(penalties, vocab_size=vocab, max_new_tokens=max_new_tokens,
+                          stop_token_ids=stops)
+    if constraint is not None and not all(hasattr(constraint, a)
+                                          for a in ("fill", "consume", "stopped")):
+        raise RequestError(f"constraint={constraint!r}: allowed a "
+                           "jlco.engine.constraint.TokenConstraint or None", "constraint")
     return RequestFields(prompt, max_new_tokens, float(temperature), seed, stops,
-                         float(top_p), min(top_k, vocab), prompt_logprobs, top_logprobs or 0)
+                         float(top_p), min(top_k, vocab), prompt_logprobs, top_logprobs or 0,
+                         pen, float(min_p), constraint)
 
 
 class Scheduler:
@@ -258,18 +259,21 @@ class Scheduler:
     # ---- requests -----------------------------------------------------------------
     def add(self, prompt: Sequence[int], max_new_tokens: int, temperature: float = 0.0,
             seed: int = 0, stop_token_ids: Iterable[int] = (), *, top_p: float = 1.0,
-            top_k: int = 0, prompt_logprobs: int | None = None,
-            top_logprobs: int = 0) -> Request:
+            top_k: int = 0, prompt_logprobs: int | None = None, top_logprobs: int = 0,
+            penalties: Penalties | None = None, min_p: float = 0.0,
+            constraint=None) -> Request:
         """Check (`check_request`) and queue a request; a bad field raises RequestError
         naming it. prompt_logprobs: also the log-prob of every prompt token with that
         many alternatives (None: not); top_logprobs: alternatives of the first token."""
         f = check_request(prompt, max_new_tokens, temperature, seed, stop_token_ids,
                           top_p=top_p, top_k=top_k, vocab_size=self.vocab_size,
                           max_context_len=self.max_context_len,
-                          prompt_logprobs=prompt_logprobs, top_logprobs=top_logprobs)
+                          prompt_logprobs=prompt_logprobs, top_logprobs=top_logprobs,
+                          penalties=penalties, min_p=min_p, constraint=constraint)
         req = Request(next(self._ids), f.prompt, f.max_new_tokens, f.temperature, f.seed,
                       f.stop_token_ids, top_p=f.top_p, top_k=f.top_k,
-                      prompt_logprobs=f.prompt_logprobs, top_logprobs=f.top_logprobs)
+                      prompt_logprobs=f.prompt_logprobs, top_logprobs=f.top_logprobs,
+                      penalties=f.penalties, min_p=f.min_p, constraint=f.constraint)
         self.requests[req.id] = req
         self.waiting.append(req)
         return req
@@ -377,7 +381,10 @@ class Scheduler:
             raise RequestError(f"request {req.id} is {req.status}: cannot take tokens")
         req.tokens.append(int(token))
         req.logprobs.append(float(logprob))
-        if int(token) in req.stop_token_ids:
+        if req.constraint is not None:
+            req.constraint.consume(int(token))
+        if int(token) in req.stop_token_ids or (req.constraint is not None
+                                                and req.constraint.stopped):
             self._release(req, "finished", "stop")
         elif len(req.tokens) >= req.max_new_tokens:
             self._release(req, "finished", "length")

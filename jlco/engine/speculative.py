@@ -69,6 +69,7 @@ from flax import nnx
 from jax.sharding import SingleDeviceSharding
 
 from jlco.engine import host_driven as engine_host
+from jlco.engine import penalize
 from jlco.engine.inputs import DecodeOutput, StepInputs, alternatives
 from jlco.engine.sampling import verify
 from jlco.engine.steps import close_step, open_step
@@ -196,9 +197,11 @@ def spec_step(graphdef, state, cache, pend_h, inputs: StepInputs, pend_n, host_d
                                                               host_drafts), n=n, impl=impl)
     last = inputs.tokens[jnp.arange(inputs.tokens.shape[0]), pend_n - 1]
     h, cache = model(jnp.concatenate([last[:, None], drafts], axis=1), cache, impl=impl)
-    tok, logp, accepted = verify(model.logits(h), drafts, inputs.sampling, sampling)
+    tok, logp, accepted = verify(model.logits(h), drafts, inputs.sampling, sampling, cache.seen)
     accepted = jnp.minimum(accepted, jnp.maximum(inputs.limit - 1, 0)).astype(jnp.int32)
     cache = close_step(cache, active, saved, lengths=before + accepted + 1)
+    cache = dataclasses.replace(cache, seen=penalize.count(
+        cache.seen, tok, jnp.where(active, accepted + 1, 0)))
     return tok, logp, accepted, h, drafts, cache
 
 
@@ -351,8 +354,8 @@ class Speculator:
                 self.pend_h = self.pend_h.at[r.slot, 0].set(self._fresh.pop(r.id)[0])
                 self.pend_n[r.id] = 1
         # A fixed [b, n+1] token shape: one compiled step.
-        inputs = StepInputs.from_requests(running, b, [self.pend_n[r.id] for r in running],
-                                          width=n + 1)
+        inputs = StepInputs.from_requests(running, b, self.vocab,
+                                          [self.pend_n[r.id] for r in running], width=n + 1)
         pend_n = np.ones((b,), np.int32)
         slots = [None] * b
         for r in running:

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jlco.engine import penalize
 from jlco.engine.inputs import StepInputs
 from jlco.engine.sampling import sample
 from jlco.model import kv_cache
@@ -64,20 +65,29 @@ def decode_step(graphdef, state, cache: DecodeCache, inputs: StepInputs, *, impl
     """inputs.tokens [b, 1] → (next tokens [b], logprobs [b], cache). One jit, one sync
     (the caller reads tokens, logprobs and the offload counters together)."""
     logits, cache = forward(graphdef, state, cache, inputs.tokens, inputs.active, impl=impl)
-    tok, logp = sample(logits[:, -1], inputs.sampling)
-    return tok, logp, cache
+    return sample_and_count(logits[:, -1], inputs, cache)
 
 
-def install(cache: DecodeCache, temp: DecodeCache, slot, n, page_row):
+def sample_and_count(logits, inputs: StepInputs, cache: DecodeCache):
+    """logits [b, V] → (next tokens [b], logprobs, cache), the active slots' tokens
+    counted in the cache's penalty tables."""
+    tok, logp = sample(logits, inputs.sampling, cache.seen)
+    seen = penalize.count(cache.seen, tok[:, None], inputs.active.astype(jnp.int32))
+    return tok, logp, dataclasses.replace(cache, seen=seen)
+
+
+def install(cache: DecodeCache, temp: DecodeCache, slot, n, page_row, seen_row=None):
     """Copy a prefilled single-request cache `temp` (b = 1) into batch slot `slot` with
-    length n. Offloaded: latent rows go to the host pool at the request's pages
+    length n, and its penalty tables `seen_row` (`penalize.SeenTokens.row`) into the
+    slot's. Offloaded: latent rows go to the host pool at the request's pages
     (page_row int32 [P]) and its hot-buffer slots are emptied."""
     def put(big, small):   # per-layer tuples: [b, ...] <- [1, ...]
         return tuple(x.at[slot].set(y[0], mode="drop") for x, y in zip(big, small))
     new = dataclasses.replace(
         cache, index_k=put(cache.index_k, temp.index_k),
         index_scale=None if cache.index_scale is None else put(cache.index_scale, temp.index_scale),
-        lengths=cache.lengths.at[slot].set(n, mode="drop"))
+        lengths=cache.lengths.at[slot].set(n, mode="drop"),
+        seen=cache.seen if seen_row is None else penalize.seat(cache.seen, slot, seen_row))
     if not isinstance(cache.latent, OffloadLatent):
         return dataclasses.replace(new, latent=put(cache.latent, temp.latent))
     lat = cache.latent
@@ -92,7 +102,7 @@ def install(cache: DecodeCache, temp: DecodeCache, slot, n, page_row):
     return dataclasses.replace(new, latent=lat)
 
 
-def install_on_rank(cache: DecodeCache, temp: DecodeCache, slot, n, page_row):
+def install_on_rank(cache: DecodeCache, temp: DecodeCache, slot, n, page_row, seen_row=None):
     """`install` as one data rank runs it (`jlco.parallel.data.per_rank`): the rank that
     owns global slot `slot` writes it and its pool block, the others nothing. Without
     data ranks, `install`."""
@@ -100,7 +110,7 @@ def install_on_rank(cache: DecodeCache, temp: DecodeCache, slot, n, page_row):
         slot = parallel_data.local_slot(slot, cache.batch)
         if page_row is not None:
             page_row = jnp.where(slot < cache.batch, page_row, -1)
-    return install(cache, temp, slot, n, page_row)
+    return install(cache, temp, slot, n, page_row, seen_row)
 
 
 def warm_up_on_rank(cache: DecodeCache, slot, record):

@@ -128,7 +128,8 @@ def compile_decode(runner, scan: int | None) -> None:
         return
     tok, _, cache = runner.decode_fn(runner.graphdef, runner.state,
                                      dataclasses.replace(runner.cache, scan_len=scan),
-                                     StepInputs.from_requests([], runner.batch))
+                                     StepInputs.from_requests([], runner.batch,
+                                                              runner.cfg.model.vocab_size))
     runner.cache = dataclasses.replace(cache, scan_len=None)
     jax.block_until_ready(tok)
 

@@ -33,7 +33,8 @@ from jlco.util.buckets import MIN_SCAN, pow2_bucket
 
 
 @partial(jax.tree_util.register_dataclass,
-         data_fields=("latent", "index_k", "index_scale", "lengths", "record", "record_from"),
+         data_fields=("latent", "index_k", "index_scale", "lengths", "record", "record_from",
+                      "seen"),
          meta_fields=("kv_format", "key_format", "d_rope", "scan_len"))
 @dataclasses.dataclass(frozen=True)
 class DecodeCache:
@@ -55,6 +56,9 @@ class DecodeCache:
     # int32 scalar: with a record narrower than the step's queries, the first query row
     # it keeps (a prefill's last piece records its last real queries only).
     record_from: jax.Array | None = None
+    # The engine's per-slot penalty tables (`jlco.engine.penalize.SeenTokens`, leaves
+    # [b, ...]), carried from step to step with the cache; the model never reads them.
+    seen: Any = None
 
     @property
     def batch(self) -> int:
@@ -284,7 +288,8 @@ def data_specs(cache: DecodeCache) -> DecodeCache:
         cache, latent=lat, index_k=tuple(batch0 for _ in cache.index_k),
         index_scale=None if cache.index_scale is None else tuple(batch0 for _ in cache.index_scale),
         lengths=batch0, record=None if cache.record is None else batch1,
-        record_from=None if cache.record_from is None else P())
+        record_from=None if cache.record_from is None else P(),
+        seen=None if cache.seen is None else jax.tree.map(lambda _: batch0, cache.seen))
 
 
 def data_shardings(cache: DecodeCache, mesh, host_memory_kind: str | None) -> DecodeCache:

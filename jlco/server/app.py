@@ -1,11 +1,14 @@
 """The HTTP face of the server: FastAPI routes over an `EngineLoop`.
 
-Routes: POST /v1/completions, POST /v1/chat/completions (needs the checkpoint's chat
-template), POST /v1/internal/prefill and /v1/internal/prefilled (PD disaggregation: export a
-prefill as a safetensors payload; import one, claimed later by a completion with
-`kv_transfer_params`), GET /v1/models, GET /health (200 ready; 503 loading, draining, broken, or
-admission paused by a pool watermark), GET /metrics (Prometheus). Every /v1 route
-checks `Authorization: Bearer KEY` when the server has an API key. Streaming is SSE
+Routes: POST /v1/completions, POST /v1/chat/completions (the checkpoint's chat template;
+the demo model's plain one), POST /v1/internal/prefill and /v1/internal/prefilled (PD
+disaggregation: export a prefill as a safetensors payload; import one, claimed later by a
+completion with `kv_transfer_params`), GET /v1/models and /v1/models/{id}, POST /tokenize
+and /detokenize (vLLM's), POST /v1/reset_prefix_cache, GET /health (200 ready; 503
+loading, draining, broken, or admission paused by a pool watermark), GET /metrics
+(Prometheus). Bodies and error responses are declared in /openapi.json (`schema`); the
+handlers read raw JSON through `protocol`. Every /v1 route and the tokenizer routes
+check `Authorization: Bearer KEY` when the server has an API key. Streaming is SSE
 (`data: {json}` chunks, then `data: [DONE]`), the same text as the non-streamed response
 because both go through one `Detokenizer`. A client that disconnects aborts its request
 (its slot and pages come back at the engine's next step). Handlers ask the engine, never
@@ -17,15 +20,14 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import dataclasses
 import functools
 import secrets
 import time
-from typing import Any, AsyncIterator
+from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import generate_latest
 
 from jlco.engine.scheduler import RequestError
 from jlco.server.loop import Delta, EngineLoop, Stream, refusal
@@ -38,52 +40,18 @@ from jlco.server.protocol import (
     bad,
     parse_chat,
     parse_completion,
+    parse_detokenize,
     parse_json,
+    parse_tokenize,
 )
+from jlco.server.state import ServerState  # noqa: F401 (the app's state, re-exported)
 from jlco.server.text import Detokenizer, TextCodec, render_chat
+from jlco.structured.grammar import GrammarError, GrammarSpec
 
 DISCONNECT_POLL_S = 0.5
-
-
-@dataclasses.dataclass
-class ServerState:
-    """What the routes read. `loop`/`engine` are None until the model is loaded."""
-    model_name: str
-    max_context_len: int
-    api_key: str | None = None
-    index_topk: int | None = None  # the served model's top-k (jlco.validate reads it)
-    codec: TextCodec | None = None
-    loop: EngineLoop | None = None
-    engine: Any = None
-    created: int = dataclasses.field(default_factory=lambda: int(time.time()))
-    loading: str = "loading the model"
-    on_step: Any = None            # called with each engine step's seconds (metrics)
-    _rng: secrets.SystemRandom = dataclasses.field(default_factory=secrets.SystemRandom)
-
-    def not_ready(self) -> str | None:
-        """Why the server cannot take requests now, or None."""
-        if self.loop is None:
-            return self.loading
-        if self.loop.broken:
-            return f"the engine failed: {self.loop.broken}"
-        if self.loop.draining:
-            return "the server is shutting down"
-        return None
-
-    def unhealthy(self) -> str | None:
-        """Why a load balancer should route elsewhere: not ready, or admission paused by a
-        pool watermark (`serve.host_high_watermark` / `device_high_watermark`; requests
-        sent anyway wait in the queue), or None."""
-        why = self.not_ready()
-        if why:
-            return why
-        status = self.engine.admission_status()
-        pool = status.holding_pool()
-        if pool is None:
-            return None
-        (high, low), use = status.watermarks[pool], status.pool_usage.get(pool, 0.0)
-        return (f"admission paused: the {pool} pool is {100 * use:.0f}% used, above "
-                f"serve.{pool}_high_watermark={high} (resumes at or below {low})")
+# What generate_latest writes: the text format 0.0.4 (prometheus_client's newer
+# CONTENT_TYPE_LATEST names 1.0.0, which older scrapers do not negotiate).
+METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
 def _error(err: ApiError) -> JSONResponse:
@@ -106,8 +74,9 @@ def create_app(state: ServerState) -> FastAPI:
             response_class=Response)(prometheus)
     app.get("/v1/models", openapi_extra=none)(models)
     app.get("/v1/models/{model_id:path}", openapi_extra=none)(model_info)
-    app.post("/tokenize", openapi_extra=none)(tokenize)
-    app.post("/detokenize", openapi_extra=none)(detokenize)
+    app.post("/tokenize", openapi_extra=schema.route_extra(schema.TokenizeBody))(tokenize)
+    app.post("/detokenize", openapi_extra=schema.route_extra(schema.DetokenizeBody))(
+        detokenize)
     app.post("/v1/reset_prefix_cache", openapi_extra=none)(reset_prefix_cache)
     app.post("/v1/completions", openapi_extra=schema.route_extra(schema.CompletionBody))(
         completions)
@@ -138,9 +107,14 @@ async def _bad_method(request: Request, exc):
     return resp
 
 
+# Routes outside /v1 that the API key guards too (vLLM's tokenizer routes).
+KEYED_PATHS = ("/tokenize", "/detokenize")
+
+
 async def _auth(request: Request, call_next):
     key = _state(request).api_key
-    if key and request.url.path.startswith("/v1"):
+    path = request.url.path
+    if key and (path.startswith("/v1") or path in KEYED_PATHS):
         given = request.headers.get("authorization", "")
         if not secrets.compare_digest(given.encode(), f"Bearer {key}".encode()):
             return _error(ApiError(401, "missing or wrong API key: send "
@@ -157,7 +131,7 @@ async def health(request: Request):
 
 async def prometheus(request: Request):
     return Response(generate_latest(request.app.state.metrics.registry),
-                    media_type=CONTENT_TYPE_LATEST)
+                    media_type=METRICS_CONTENT_TYPE)
 
 
 def _model_card(state: ServerState) -> dict:
@@ -173,42 +147,47 @@ async def models(request: Request):
 async def model_info(request: Request, model_id: str):
     """GET /v1/models/{id} (`client.models.retrieve`)."""
     state = _state(request)
-    if model_id != state.model_name:
-        raise ApiError(404, f"The model `{model_id}` does not exist (this server serves "
-                            f"`{state.model_name}`)", "model")
+    _check_model(state, model_id)
     return _model_card(state)
+
+
+def _codec_for(state: ServerState, model: str | None) -> TextCodec:
+    """The tokenizer the (de)tokenize routes use, or why there is none: loading (503),
+    another model named (404), a checkpoint without tokenizer.json (400)."""
+    _check_model(state, model)
+    if state.codec is None:
+        if state.loop is None:
+            raise ApiError(503, state.loading)
+        raise ApiError(400, "this model has no tokenizer (its checkpoint has no "
+                            "tokenizer.json): prompts are token ids")
+    return state.codec
+
+
+def _check_model(state: ServerState, model: str | None) -> None:
+    if model is not None and model != state.model_name:
+        raise ApiError(404, f"The model `{model}` does not exist (this server serves "
+                            f"`{state.model_name}`)", "model")
 
 
 async def tokenize(request: Request):
     """vLLM's POST /tokenize: {"prompt": text} or {"messages": [...]} (the chat template)
     → {"count", "max_model_len", "tokens"}."""
     state = _state(request)
-    body = parse_json(await request.body())
-    if state.codec is None:
-        raise ApiError(503, state.not_ready() or "no tokenizer loaded")
-    if "messages" in body:
-        p, messages, add_gen = parse_chat({"messages": body["messages"], **(
-            {"add_generation_prompt": body["add_generation_prompt"]}
-            if "add_generation_prompt" in body else {})})
-        ids = state.codec.encode_chat(_chat_text(state.codec, messages, add_gen))
-    elif isinstance(body.get("prompt"), str):
-        ids = state.codec.encode(body["prompt"])
-    else:
-        raise bad("prompt", "required: a string (or \"messages\": a chat)")
+    t = parse_tokenize(parse_json(await request.body()))
+    codec = _codec_for(state, t.model)
+    if t.messages is not None:
+        text = _chat_text(codec, t.messages, t.add_generation_prompt)
+        ids = codec.encode(text) if t.add_special_tokens else codec.encode_chat(text)
+    else:       # encode_chat adds no special token: the text alone
+        ids = codec.encode(t.prompt) if t.add_special_tokens else codec.encode_chat(t.prompt)
     return {"count": len(ids), "max_model_len": state.max_context_len, "tokens": ids}
 
 
 async def detokenize(request: Request):
     """vLLM's POST /detokenize: {"tokens": [ids]} → {"prompt": text}."""
     state = _state(request)
-    body = parse_json(await request.body())
-    toks = body.get("tokens")
-    if not isinstance(toks, list) or not all(isinstance(t, int) and not isinstance(t, bool)
-                                             and t >= 0 for t in toks):
-        raise bad("tokens", "required: a list of token ids (integers >= 0)")
-    if state.codec is None:
-        raise ApiError(503, state.not_ready() or "no tokenizer loaded")
-    return {"prompt": state.codec.decode(toks)}
+    toks, model = parse_detokenize(parse_json(await request.body()))
+    return {"prompt": _codec_for(state, model).decode(toks)}
 
 
 async def reset_prefix_cache(request: Request):
@@ -303,9 +282,7 @@ async def _serve(request: Request, p: SamplingRequest, chat_text: str | None, *,
     why = state.not_ready()
     if why:
         raise ApiError(503, why)
-    if p.model is not None and p.model != state.model_name:
-        raise ApiError(404, f"The model `{p.model}` does not exist (this server serves "
-                            f"`{state.model_name}`)", "model")
+    _check_model(state, p.model)
     prompts = [(p.prompt_text, p.prompt_ids)] + list(p.more_prompts)
     choices: list[Choice] = []
     try:
@@ -315,9 +292,7 @@ async def _serve(request: Request, p: SamplingRequest, chat_text: str | None, *,
                 choices.append(await _queue(request, state, p, ids, text, j, len(choices)))
     except BaseException:
         for c in choices:       # nobody will read them: give their slots back
-            state.loop.abort(c.stream, "abort")
-            c.stream.closed = True
-            request.app.state.metrics.requests.labels("abort").inc()
+            c.abandon()
         raise
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}"
     if p.stream:
@@ -337,10 +312,11 @@ async def _queue(request: Request, state: ServerState, p: SamplingRequest, ids: 
     if not p.ignore_eos and codec is not None and codec.eos_token_id is not None:
         stops.add(codec.eos_token_id)
     seed = p.seed + j if p.seed is not None else state._rng.randrange(2 ** 32)
-    sampling = dict(temperature=p.temperature, seed=seed % 2 ** 32,
+    constraint = None if p.structured is None else await _constraint(state, p.structured)
+    sampling = dict(constraint=constraint, temperature=p.temperature, seed=seed % 2 ** 32,
                     stop_token_ids=sorted(stops), top_p=p.top_p, top_k=p.top_k,
                     prompt_logprobs=(p.logprobs or 0) if p.echo else None,
-                    top_logprobs=p.logprobs or 0)
+                    top_logprobs=p.logprobs or 0, penalties=p.penalties, min_p=p.min_p)
     try:
         state.engine.check_request(ids, max_new, **sampling)
     except RequestError as err:
@@ -349,9 +325,28 @@ async def _queue(request: Request, state: ServerState, p: SamplingRequest, ids: 
     req = await asyncio.wrap_future(_start(state, stream, p.prefill_id, ids, max_new, sampling))
     metrics = request.app.state.metrics
     metrics.prompt_tokens.inc(len(ids))
-    detok = Detokenizer(codec, p.stop, include_stop=p.include_stop_str_in_output)
+    detok = Detokenizer(codec, p.stop, include_stop=p.include_stop_str_in_output,
+                        min_tokens=p.penalties.min_tokens)
     gen = _generate(request, state, stream, detok, metrics)
-    return Choice(index, ids, text, req, stream, gen, drop)
+    return Choice(index, ids, text, req, stream, gen, drop,
+                  functools.partial(_abandon, state.loop, stream, metrics))
+
+
+def _abandon(loop: EngineLoop, stream: Stream, metrics: ServerMetrics) -> None:
+    """Nobody reads this request any more (the client went away, or the response ended
+    before its turn): abort it and count it "abort", unless it already ended and was
+    counted. Every queued request ends in exactly one `jlco_request_success` label."""
+    if not stream.closed:
+        loop.abort(stream, "abort")
+        _outcome(stream, metrics, "abort")
+
+
+def _outcome(stream: Stream, metrics: ServerMetrics, reason: str) -> None:
+    """Count the request's one outcome, the first time it ends (an abandoned request's
+    late "abort" from the engine is not counted again)."""
+    if not stream.closed:
+        stream.closed = True
+        metrics.requests.labels(reason).inc()
 
 
 def _prompt_ids(codec, text: str | None, given: list[int] | None,
@@ -380,6 +375,16 @@ def _max_new_tokens(ctx: int, p: SamplingRequest, ids: list[int]) -> int:
                             f"prompt, {max_new} for the completion): reduce the prompt or "
                             "max_tokens.", "max_tokens" if p.max_tokens else "prompt")
     return max_new
+
+
+async def _constraint(state: ServerState, spec: GrammarSpec):
+    """A fresh matcher for `spec`, compiled (once per spec) on a worker thread: a large
+    schema never holds the event loop or the engine thread."""
+    grammars = state.grammars()
+    try:
+        return await asyncio.to_thread(grammars.constraint, spec)
+    except GrammarError as err:
+        raise bad("response_format", f"the {spec.kind} does not compile: {err}") from None
 
 
 def _start(state: ServerState, stream: Stream, prefill_id: int | None, ids: list[int],
@@ -422,8 +427,7 @@ async def _generate(request: Request, state: ServerState, stream: Stream, detok:
                 last_t = now
                 metrics.generated_tokens.inc(len(delta.tokens))
             if delta.error is not None:
-                stream.closed = True
-                metrics.requests.labels("error").inc()
+                _outcome(stream, metrics, "error")
                 raise ApiError(500, f"the engine failed while serving this request: "
                                     f"{delta.error}")
             text, ids = [], []
@@ -437,16 +441,14 @@ async def _generate(request: Request, state: ServerState, stream: Stream, detok:
             start, n_tokens = n_tokens, n_tokens + len(ids)
             if detok.stopped:
                 loop.abort(stream, "stop")
-                stream.closed = True
-                metrics.requests.labels("stop").inc()
+                _outcome(stream, metrics, "stop")
                 metrics.e2e.observe(now - stream.t_arrival)
                 yield Piece("".join(text), ids, "stop", detok.stop_string, start)
                 return
             if delta.finish_reason is not None:
-                stream.closed = True
                 text.append(detok.finish())
                 reason = "stop" if delta.finish_reason == "stop" else delta.finish_reason
-                metrics.requests.labels(reason).inc()
+                _outcome(stream, metrics, reason)
                 metrics.e2e.observe(now - stream.t_arrival)
                 if delta.stop_token is not None:
                     ids.append(delta.stop_token)   # token ids include the stop token
@@ -455,7 +457,4 @@ async def _generate(request: Request, state: ServerState, stream: Stream, detok:
             if ids:
                 yield Piece("".join(text), ids, start=start)
     finally:
-        if not stream.closed:      # the client went away (or the engine failed)
-            loop.abort(stream, "abort")
-            stream.closed = True
-            metrics.requests.labels("abort").inc()   # every request ends in one outcome
+        _abandon(loop, stream, metrics)     # the client went away: no outcome yet

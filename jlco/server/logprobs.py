@@ -2,9 +2,11 @@
 request (`Request.logprobs`, `.top_out` per generated token, `.prompt_logprob_out` per
 prompt position when the request echoes its prompt).
 
-Values are log-probs of the raw model distribution (the untempered, unfiltered logits'
-log-softmax; vLLM's `logprobs_mode` "raw_logprobs"): what an evaluator compares with
-another engine. Completions use the legacy shape (`tokens`, `token_logprobs`,
+Values are log-probs of the distribution a token was sampled from before temperature
+and the filters: the model's logits after the request's penalties and logit_bias
+(`jlco.engine.penalize`), untempered and unfiltered, their log-softmax. Without
+penalties this is vLLM's `logprobs_mode` "raw_logprobs", what an evaluator compares with
+another engine; vLLM's "processed_logprobs" would also temper and filter. Completions use the legacy shape (`tokens`, `token_logprobs`,
 `top_logprobs` as {token: log-prob}, `text_offset`; with `echo` the prompt comes first,
 its first token's entries null); chat the `content` list of {token, logprob, bytes,
 top_logprobs}. A token is shown as it decodes alone (its tokenizer piece when that

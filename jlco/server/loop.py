@@ -71,6 +71,31 @@ class Stream:
             self.closed = True
 
 
+@dataclasses.dataclass(frozen=True)
+class DrainReport:
+    """What a drain did: requests in flight when it began, how many of them were still
+    running at the grace's end (aborted), the grace, the seconds it took."""
+    running: int
+    aborted: int
+    grace_s: float
+    seconds: float
+
+    def line(self) -> str:
+        if not self.running:
+            return "drained: no request was left running"
+        done = self.running - self.aborted
+        if not self.aborted:
+            return (f"drained: {done} running request(s) finished in {self.seconds:.1f} s "
+                    f"(within the {self.grace_s:g} s grace)")
+        return (f"drained: {self.aborted} of {self.running} running request(s) still ran "
+                f"after the {self.grace_s:g} s grace and were aborted ({done} finished)")
+
+
+def _prefix_stats(engine) -> dict | None:
+    stats = getattr(engine, "prefix_stats", None)
+    return None if stats is None else stats()
+
+
 class EngineLoop:
     """Runs `engine` on its own thread. `max_waiting`: requests allowed in the waiting
     queue before submissions are refused with 429. `on_step(engine, seconds)`: called on
@@ -90,7 +115,10 @@ class EngineLoop:
         self._streams: dict[int, Stream] = {}
         self.draining = False
         self._drain_lock = threading.Lock()
-        self._drained: int | None = None     # requests aborted by the drain, once done
+        self._drained: DrainReport | None = None     # what the drain did, once done
+        # The prefix cache's counters as the engine thread last saw them (after a step or
+        # a command): the metrics read this copy, never the cache the thread is changing.
+        self.prefix_stats: dict | None = _prefix_stats(engine)
         self.broken: str | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="jlco-engine", daemon=True)
@@ -140,16 +168,17 @@ class EngineLoop:
     def num_streams(self) -> int:
         return len(self._streams)
 
-    def drain(self, grace_s: float) -> int:
+    def drain(self, grace_s: float) -> DrainReport:
         """Stop admitting, let running requests finish for up to `grace_s` seconds, abort
-        what is left, stop the thread → how many requests were aborted. Idempotent (the
-        server starts it when the signal arrives and calls it again on the way out)."""
+        what is left, stop the thread → what happened. Idempotent (the server starts it
+        when the signal arrives and calls it again on the way out)."""
         self.draining = True
         with self._drain_lock:
             if self._drained is not None:
                 return self._drained
-            deadline = time.monotonic() + grace_s
-            while self._streams and time.monotonic() < deadline and not self.broken \
+            t0 = time.monotonic()
+            running = len(self._streams)
+            while self._streams and time.monotonic() < t0 + grace_s and not self.broken \
                     and self._thread.is_alive():
                 time.sleep(0.05)
             left = len(self._streams)
@@ -157,8 +186,8 @@ class EngineLoop:
             self._stop.set()
             self._cmds.put(("wake",))
             self._thread.join(timeout=max(5.0, grace_s))
-            self._drained = left
-            return left
+            self._drained = DrainReport(running, left, grace_s, time.monotonic() - t0)
+            return self._drained
 
     # ---- the engine thread ----------------------------------------------------------
     def _run(self) -> None:
@@ -196,6 +225,7 @@ class EngineLoop:
                 self._fail(err)
                 continue
             self.steps += 1
+            self.prefix_stats = _prefix_stats(engine)
             self._publish()
             if self.on_step is not None:
                 self.on_step(engine, time.perf_counter() - t0)
@@ -219,7 +249,11 @@ class EngineLoop:
         if kind == "call":     # run fn(engine) here → its result (or exception) in fut
             _, fut, fn = cmd
             try:
-                fut.set_result(fn(self.engine))
+                result = fn(self.engine)
+                # before the caller hears back: a scrape after it sees what fn changed
+                # (reset_prefix_cache, an import's prefix)
+                self.prefix_stats = _prefix_stats(self.engine)
+                fut.set_result(result)
             except ApiError as err:
                 fut.set_exception(err)
             except RequestError as err:

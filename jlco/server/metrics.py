@@ -1,9 +1,12 @@
 """Prometheus metrics of one server (`GET /metrics`), vLLM's names with a `jlco_` prefix.
 
 Request latencies are histograms observed by the handlers as tokens reach them;
-engine-side values (queue lengths, offload counters, pool usage, speculative counts)
-are read from the engine at scrape time by a collector, so a scrape always sees one
-consistent set: `jlco_cache_hits_total + misses == jlco_cache_lookups_total` per layer.
+engine-side values (queue lengths, offload counters, pool usage, speculative counts,
+the prefix cache) are read from the engine at scrape time by a collector, so a scrape
+always sees one consistent set: `jlco_cache_hits_total + misses ==
+jlco_cache_lookups_total` per layer, `jlco_prefix_cache_hits_total <= queries`.
+`jlco_request_success{finished_reason}` counts every queued request once when it ends
+(stop, length, abort: the client left or the drain's grace ran out, error).
 """
 
 from __future__ import annotations
@@ -116,7 +119,7 @@ class _EngineCollector:
                                     value=status.slots * slot_bytes)
         yield CounterMetricFamily("jlco_orphans_swept", "Orphaned requests freed by the "
                                   "lifecycle sweep", value=getattr(eng, "orphans_swept", 0))
-        yield from _prefix_metrics(eng)
+        yield from _prefix_metrics(self.state.loop)
         spec = eng.spec_metrics
         if spec is not None:
             yield CounterMetricFamily("jlco_mtp_draft_tokens", "Draft tokens proposed",
@@ -125,10 +128,12 @@ class _EngineCollector:
                                       value=spec.accepted)
 
 
-def _prefix_metrics(eng):
+def _prefix_metrics(loop):
     """The prefix cache's counters (vLLM's prefix_cache_queries / _hits, in prompt
-    tokens) and its size; nothing with cache.prefix_cache off."""
-    stats = eng.prefix_stats() if hasattr(eng, "prefix_stats") else None
+    tokens) and its size; nothing with cache.prefix_cache off. Read from the copy the
+    engine thread leaves after each step (`EngineLoop.prefix_stats`): the cache itself
+    changes under that thread, and one copy keeps hits <= queries within a scrape."""
+    stats = None if loop is None else loop.prefix_stats
     if stats is None:
         return
     yield CounterMetricFamily("jlco_prefix_cache_queries", "Prompt tokens looked up in the "

@@ -16,6 +16,10 @@ import dataclasses
 import json
 from typing import Any
 
+from jlco.engine.penalties import Penalties
+from jlco.structured.grammar import GrammarSpec
+from jlco.structured.request import FieldError, read_structured
+
 DEFAULT_MAX_TOKENS = 16        # OpenAI's (and vLLM's) default for /v1/completions
 MAX_LOGPROBS = 20              # alternatives per token (OpenAI's cap)
 MAX_STOP_STRINGS = 16
@@ -44,12 +48,10 @@ def bad(field: str, message: str) -> ApiError:
 
 # Fields that ask for nothing at these values (anything else is refused: jlco cannot do it).
 _NOOP_FIELDS: dict[str, tuple] = {
-    "best_of": (None, 1), "suffix": (None,), "presence_penalty": (0, 0.0),
-    "frequency_penalty": (0, 0.0), "repetition_penalty": (1, 1.0), "min_p": (0, 0.0),
-    "min_tokens": (0,), "logit_bias": (None, {}), "skip_special_tokens": (True,),
+    "best_of": (None, 1), "suffix": (None,), "skip_special_tokens": (True,),
     "spaces_between_special_tokens": (True,), "use_beam_search": (False,),
     "length_penalty": (1, 1.0), "prompt_logprobs": (None,), "add_special_tokens": (True,),
-    "response_format": (None, {"type": "text"}), "tools": (None, []),
+    "tools": (None, []),
     "tool_choice": (None, "none"), "parallel_tool_calls": (None, False),
     "truncate_prompt_tokens": (None,), "priority": (0,),
 }
@@ -83,6 +85,9 @@ class SamplingRequest:
     echo: bool = False             # completions: the prompt (and its log-probs) returned too
     n: int = 1                     # choices per prompt
     more_prompts: tuple = ()       # completions: (text, ids) of prompts after the first
+    penalties: Penalties = Penalties()   # as sent (the engine checks the ranges)
+    min_p: Any = 0.0
+    structured: GrammarSpec | None = None   # response_format / structured_outputs
 
 
 def parse_json(raw: bytes) -> dict:
@@ -102,6 +107,22 @@ def _is_int(v: Any) -> bool:
 
 def _or_default(v: Any, default: Any) -> Any:
     return default if v is None else v
+
+
+def _kind(v: Any) -> type:
+    """JSON's type of `v`: a boolean is not a number, 1 and 1.0 are one number."""
+    return float if isinstance(v, (int, float)) and not isinstance(v, bool) else type(v)
+
+
+def asks_nothing(v: Any, allowed: tuple) -> bool:
+    """`v` is null or one of `allowed` with its JSON type (`true` is not 1, `0` not false)."""
+    return v is None or any(_kind(v) is _kind(a) and v == a for a in allowed)
+
+
+def _whole(v: Any) -> Any:
+    """An integral float as the int vLLM's pydantic models make of it (2.0 → 2); anything
+    else as sent (the check that reads it refuses what is not an integer)."""
+    return int(v) if isinstance(v, float) and v.is_integer() else v
 
 
 MAX_PROMPTS = 256   # prompts in one completions request
@@ -142,6 +163,17 @@ def int_field(body: dict, name: str, default: Any, lo: int, hi: int | None = Non
     return v
 
 
+def number_field(body: dict, name: str, default: float) -> Any:
+    """A number field as vLLM's pydantic models read it: null is the default, a boolean
+    or a string is not a number (its range is the engine's to check)."""
+    v = body.get(name)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise bad(name, f"{json.dumps(v)[:40]} is invalid: allowed a number")
+    return v
+
+
 def _flag(body: dict, name: str) -> bool:
     v = body.get(name)
     if v is None:
@@ -155,7 +187,7 @@ def _common(body: dict, known: set[str]) -> dict:
     """Checks shared by both endpoints → the SamplingRequest fields other than the prompt."""
     for name in body:
         if name in _NOOP_FIELDS:
-            if body[name] not in _NOOP_FIELDS[name]:
+            if not asks_nothing(body[name], _NOOP_FIELDS[name]):
                 allowed = " or ".join(json.dumps(v) for v in _NOOP_FIELDS[name])
                 raise bad(name, f"{json.dumps(body[name])[:60]} is not supported by jlco "
                                 f"(allowed: {allowed}, or leave it out)")
@@ -169,9 +201,10 @@ def _common(body: dict, known: set[str]) -> dict:
     # ("off", the engine's 0) become the engine's defaults.
     temperature = _or_default(body.get("temperature"), 1.0)
     top_p = _or_default(body.get("top_p"), 1.0)
-    top_k = _or_default(body.get("top_k"), 0)
+    top_k = _whole(_or_default(body.get("top_k"), 0))
     top_k = 0 if _is_int(top_k) and top_k == -1 else top_k
-    seed = int_field(body, "seed", None, 0, 2 ** 32 - 1)   # null: the server draws one
+    # seed is the server's to read: it adds j to it for choice j of n
+    seed = int_field(body, "seed", None, 0, 2 ** 32 - 1)
     stop = body.get("stop")
     stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) \
@@ -179,15 +212,11 @@ def _common(body: dict, known: set[str]) -> dict:
         raise bad("stop", f"allowed a non-empty string or a list of at most {MAX_STOP_STRINGS} "
                           "non-empty strings")
     stop_ids = body.get("stop_token_ids") or []
+    stop_ids = [_whole(t) for t in stop_ids] if isinstance(stop_ids, list) else stop_ids
     if not isinstance(stop_ids, list) or not all(_is_int(t) and t >= 0 for t in stop_ids):
         raise bad("stop_token_ids", "allowed a list of token ids (integers >= 0)")
-    flags = {}
-    for name in ("ignore_eos", "stream", "return_token_ids", "include_stop_str_in_output"):
-        v = body.get(name, False)
-        v = False if v is None else v
-        if not isinstance(v, bool):
-            raise bad(name, f"{v!r} is invalid: allowed true or false")
-        flags[name] = v
+    flags = {name: _flag(body, name) for name in
+             ("ignore_eos", "stream", "return_token_ids", "include_stop_str_in_output")}
     opts = body.get("stream_options")
     include_usage = False
     if opts is not None:
@@ -198,9 +227,36 @@ def _common(body: dict, known: set[str]) -> dict:
         include_usage = opts.get("include_usage", False)
         if not isinstance(include_usage, bool):
             raise bad("stream_options.include_usage", "allowed true or false")
-    return dict(model=model, temperature=temperature, top_p=top_p, n=int_field(body, "n", 1, 1, MAX_N),
-                top_k=top_k, seed=seed, stop=tuple(stop),
-                stop_token_ids=tuple(stop_ids), include_usage=include_usage, **flags)
+    return dict(model=model, temperature=temperature, top_p=top_p,
+                n=int_field(body, "n", 1, 1, MAX_N), top_k=top_k, seed=seed, stop=tuple(stop),
+                stop_token_ids=tuple(stop_ids), include_usage=include_usage,
+                penalties=_penalties(body), min_p=number_field(body, "min_p", 0.0),
+                structured=_structured(body), **flags)
+
+
+def _structured(body: dict) -> GrammarSpec | None:
+    try:
+        return read_structured(body)
+    except FieldError as err:
+        raise bad(err.field, str(err)) from None
+
+
+def _penalties(body: dict) -> Penalties:
+    """The penalty and bias fields (null: the default); their ranges are the engine's
+    to check. logit_bias: {"token id": bias}, OpenAI's map with string keys."""
+    bias = _or_default(body.get("logit_bias"), {})
+    if not isinstance(bias, dict):
+        raise bad("logit_bias", "allowed an object mapping token ids to numbers in -100..100")
+    pairs = []
+    for key, v in bias.items():
+        if not (isinstance(key, str) and key.strip().isdigit()):
+            raise bad("logit_bias", f"key {json.dumps(key)[:40]} is not a token id")
+        pairs.append((int(key), v))
+    return Penalties(presence=number_field(body, "presence_penalty", 0.0),
+                     frequency=number_field(body, "frequency_penalty", 0.0),
+                     repetition=number_field(body, "repetition_penalty", 1.0),
+                     min_tokens=int_field(body, "min_tokens", 0, 0),
+                     logit_bias=tuple(pairs))
 
 
 def _max_tokens(body: dict, name: str, default: int | None, lo: int = 1) -> int | None:
@@ -209,12 +265,24 @@ def _max_tokens(body: dict, name: str, default: int | None, lo: int = 1) -> int 
 
 _SAMPLING = {"model", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids",
              "ignore_eos", "stream", "stream_options", "return_token_ids",
-             "include_stop_str_in_output", "n"}
+             "include_stop_str_in_output", "n", "presence_penalty", "frequency_penalty",
+             "repetition_penalty", "min_p", "min_tokens", "logit_bias", "response_format",
+             "structured_outputs"}
+
+
+# The fields each endpoint implements (besides the no-op and informational ones above);
+# jlco.server.schema declares exactly these, tests/server/test_api_schema.py holds it to.
+COMPLETION_FIELDS = _SAMPLING | {"prompt", "max_tokens", "kv_transfer_params", "logprobs",
+                                 "echo"}
+CHAT_FIELDS = _SAMPLING | {"messages", "max_tokens", "max_completion_tokens",
+                           "add_generation_prompt", "chat_template_kwargs", "logprobs",
+                           "top_logprobs"}
+NOOP_FIELDS, FREE_FIELDS = _NOOP_FIELDS, _FREE_FIELDS
 
 
 def parse_completion(body: dict) -> SamplingRequest:
     """POST /v1/completions → SamplingRequest, or an ApiError naming the field."""
-    known = _SAMPLING | {"prompt", "max_tokens", "kv_transfer_params", "logprobs", "echo"}
+    known = COMPLETION_FIELDS
     if "prompt" not in body:
         raise bad("prompt", "required: a string or a list of token ids")
     prompts = _prompts(body["prompt"])
@@ -248,12 +316,30 @@ def parse_chat(body: dict) -> tuple[SamplingRequest, list[dict], bool]:
     """POST /v1/chat/completions → (SamplingRequest without prompt, messages,
     add_generation_prompt). `max_completion_tokens` (OpenAI's newer name) wins over
     `max_tokens`; neither: up to the context limit."""
-    known = _SAMPLING | {"messages", "max_tokens", "max_completion_tokens",
-                         "add_generation_prompt", "chat_template_kwargs", "logprobs",
-                         "top_logprobs"}
-    msgs = body.get("messages")
+    msgs = parse_messages(body.get("messages"))
+    add_gen = body.get("add_generation_prompt", True)
+    if not isinstance(add_gen, bool):
+        raise bad("add_generation_prompt", "allowed true or false")
+    if body.get("chat_template_kwargs") not in (None, {}):
+        raise bad("chat_template_kwargs", "not supported by jlco (allowed: {} or leave it out)")
+    common = _common(body, CHAT_FIELDS)
+    max_tokens = _max_tokens(body, "max_completion_tokens", None) or \
+        _max_tokens(body, "max_tokens", None)
+    top = int_field(body, "top_logprobs", None, 0, MAX_LOGPROBS)
+    if top and not _flag(body, "logprobs"):
+        raise bad("top_logprobs", "needs logprobs: true")
+    logprobs = (top or 0) if _flag(body, "logprobs") else None
+    req = SamplingRequest(prompt_text=None, prompt_ids=None, max_tokens=max_tokens,
+                          logprobs=logprobs, **common)
+    return req, msgs, add_gen
+
+
+def parse_messages(msgs: Any) -> list[dict]:
+    """A chat's `messages` → a copy with text-part contents joined, or a 400 naming the
+    message and field."""
     if not isinstance(msgs, list) or not msgs:
         raise bad("messages", "required: a non-empty list of {\"role\", \"content\"} objects")
+    out = []
     for i, m in enumerate(msgs):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not m["role"]:
             raise bad(f"messages[{i}].role", "required: a non-empty string")
@@ -263,21 +349,61 @@ def parse_chat(body: dict) -> tuple[SamplingRequest, list[dict], bool]:
                        and isinstance(p.get("text"), str) for p in content):
                 raise bad(f"messages[{i}].content", "allowed a string or a list of "
                                                     "{\"type\": \"text\", \"text\"} parts")
-            msgs[i] = dict(m, content="".join(p["text"] for p in content))
+            m = dict(m, content="".join(p["text"] for p in content))
         elif not isinstance(content, str):
             raise bad(f"messages[{i}].content", "required: a string")
-    add_gen = body.get("add_generation_prompt", True)
-    if not isinstance(add_gen, bool):
-        raise bad("add_generation_prompt", "allowed true or false")
-    if body.get("chat_template_kwargs") not in (None, {}):
-        raise bad("chat_template_kwargs", "not supported by jlco (allowed: {} or leave it out)")
-    common = _common(body, known)
-    max_tokens = _max_tokens(body, "max_completion_tokens", None) or \
-        _max_tokens(body, "max_tokens", None)
-    top = int_field(body, "top_logprobs", None, 0, MAX_LOGPROBS)
-    if top and not _flag(body, "logprobs"):
-        raise bad("top_logprobs", "needs logprobs: true")
-    logprobs = (top or 0) if _flag(body, "logprobs") else None
-    req = SamplingRequest(prompt_text=None, prompt_ids=None, max_tokens=max_tokens,
-                          logprobs=logprobs, **common)
-    return req, [dict(m) for m in msgs], add_gen
+        out.append(dict(m))
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenizeRequest:
+    """POST /tokenize: a text prompt, or a chat's messages to render first."""
+    prompt: str | None
+    messages: list[dict] | None
+    add_special_tokens: bool       # text: the tokenizer's BOS rule; chat: none unless asked
+    add_generation_prompt: bool
+    model: str | None
+
+
+def parse_tokenize(body: dict) -> TokenizeRequest:
+    """vLLM's tokenize bodies: {"prompt": str} or {"messages": [...]}, optional
+    add_special_tokens (default true for a prompt, false for a chat, as vLLM) and, for a
+    chat, add_generation_prompt (default true)."""
+    chat = "messages" in body
+    known = {"model", "add_special_tokens"} | (
+        {"messages", "add_generation_prompt"} if chat else {"prompt"})
+    for name in body:
+        if name not in known:
+            raise bad(name, "unknown field" if name not in ("prompt", "messages") else
+                      "send either prompt or messages, not both")
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise bad("model", "must be a string")
+    special = body.get("add_special_tokens")
+    special = (not chat) if special is None else special
+    if not isinstance(special, bool):
+        raise bad("add_special_tokens", "allowed true or false")
+    if chat:
+        add_gen = body.get("add_generation_prompt", True)
+        if not isinstance(add_gen, bool):
+            raise bad("add_generation_prompt", "allowed true or false")
+        return TokenizeRequest(None, parse_messages(body["messages"]), special, add_gen, model)
+    if not isinstance(body.get("prompt"), str):
+        raise bad("prompt", "required: a string (or \"messages\": a chat)")
+    return TokenizeRequest(body["prompt"], None, special, False, model)
+
+
+def parse_detokenize(body: dict) -> tuple[list[int], str | None]:
+    """vLLM's detokenize body {"tokens": [ids], "model"?} → (ids, model)."""
+    for name in body:
+        if name not in ("tokens", "model"):
+            raise bad(name, "unknown field")
+    toks = body.get("tokens")
+    toks = [_whole(t) for t in toks] if isinstance(toks, list) else toks
+    if not isinstance(toks, list) or not all(_is_int(t) and t >= 0 for t in toks):
+        raise bad("tokens", "required: a list of token ids (integers >= 0)")
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise bad("model", "must be a string")
+    return toks, model

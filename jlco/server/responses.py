@@ -39,6 +39,16 @@ class Choice:
     stream: Stream
     gen: Any
     drop: bool          # max_tokens 0 with echo: the one generated token is not returned
+    abandon: Any = None  # () -> None: abort the request unless it ended (idempotent)
+
+
+def _abandon_all(choices: list[Choice]) -> None:
+    """The response is over: a choice not read to its end (the client left, or an earlier
+    choice failed) is aborted, so its slot comes back and its outcome is counted once. A
+    generator never started would not run its own clean-up."""
+    for c in choices:
+        if c.abandon is not None:
+            c.abandon()
 
 
 def usage(choices: list[Choice], n: int) -> dict:
@@ -117,7 +127,10 @@ async def _collect(c: Choice) -> Piece | None:
 
 async def whole(choices: list[Choice], rid, p: SamplingRequest, state,
                  chat: bool) -> JSONResponse:
-    pieces = await asyncio.gather(*(_collect(c) for c in choices))
+    try:
+        pieces = await asyncio.gather(*(_collect(c) for c in choices))
+    finally:
+        _abandon_all(choices)
     if any(x is None for x in pieces):    # the client went away: nobody reads this
         return JSONResponse({}, status_code=499)
     out = []
@@ -154,6 +167,8 @@ async def sse(choices: list[Choice], rid, p: SamplingRequest, state,
                 first = False
     except ApiError as err:
         yield f"data: {json.dumps(err.body())}\n\n".encode()
+    finally:
+        _abandon_all(choices)
     if p.include_usage:
         yield event([], usage(choices, p.n))
     yield b"data: [DONE]\n\n"

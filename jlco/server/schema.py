@@ -8,21 +8,44 @@ tests/server/test_api_schema.py, not kept apart by hand).
 
 from __future__ import annotations
 
-from typing import Optional, Union
+import json
+from typing import Any, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, create_model
 
-from jlco.server.protocol import MAX_LOGPROBS, MAX_N, MAX_STOP_STRINGS
+from jlco.engine.penalties import MAX_LOGIT_BIAS
+from jlco.server.protocol import (MAX_LOGPROBS, MAX_N, MAX_STOP_STRINGS, NOOP_FIELDS,
+                                  asks_nothing)
 
 
-class _Sampling(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    model: Optional[str] = None
-    temperature: Optional[float] = Field(None, ge=0, le=100)
-    top_p: Optional[float] = Field(None, gt=0, le=1)
+def _noop(name: str, allowed: tuple):
+    """A field jlco accepts only at values that ask for nothing (protocol.NOOP_FIELDS)."""
+    vals: list = []
+    for v in allowed:           # 0 and 0.0 are one JSON number
+        if v is not None and not asks_nothing(v, tuple(vals)):
+            vals.append(v)
+    shown = "".join(f" or {json.dumps(v)}" for v in vals)
+    return (Any, Field(None, description=f"not implemented: accepted as null{shown}",
+                       json_schema_extra={"enum": [None, *vals]}))
+
+
+# Fields jlco takes and ignores (OpenAI's informational ones), then the no-op ones.
+_Accepted = create_model(
+    "_Accepted", __config__=ConfigDict(extra="forbid"),
+    user=(Optional[str], None), request_id=(Optional[str], None),
+    metadata=(Optional[dict], None), store=(Optional[bool], None),
+    service_tier=(Optional[str], None),
+    **{name: _noop(name, allowed) for name, allowed in NOOP_FIELDS.items()})
+
+
+class _Sampling(_Accepted):
+    model: Optional[str] = Field(None, description="the served model's id (or leave it out)")
+    temperature: Optional[float] = Field(None, ge=0, le=100, description="default 1; 0 greedy")
+    top_p: Optional[float] = Field(None, gt=0, le=1, description="default 1 (off)")
     top_k: Optional[int] = Field(None, ge=-1, description="vLLM's; -1 or 0 = off")
-    seed: Optional[int] = Field(None, ge=0, lt=2 ** 32)
-    n: Optional[int] = Field(None, ge=1, le=MAX_N)
+    seed: Optional[int] = Field(None, ge=0, lt=2 ** 32, description="default: drawn; choice "
+                                "j of n samples with seed + j")
+    n: Optional[int] = Field(None, ge=1, le=MAX_N, description="choices per prompt (default 1)")
     stop: Union[str, list[str], None] = Field(None, max_length=MAX_STOP_STRINGS)
     stop_token_ids: Optional[list[int]] = None
     ignore_eos: Optional[bool] = None
@@ -30,7 +53,21 @@ class _Sampling(BaseModel):
     stream_options: Optional[dict] = Field(None, description="{\"include_usage\": bool}")
     return_token_ids: Optional[bool] = None
     include_stop_str_in_output: Optional[bool] = None
-    max_tokens: Optional[int] = Field(None, ge=0, description="completions: 0 only with echo")
+    max_tokens: Optional[int] = Field(None, ge=0, description="completions: default 16, 0 "
+                                      "only with echo; chat: default up to the context")
+    presence_penalty: Optional[float] = Field(None, ge=-2, le=2, description="default 0")
+    frequency_penalty: Optional[float] = Field(None, ge=-2, le=2, description="default 0")
+    repetition_penalty: Optional[float] = Field(None, gt=0, le=2, description="vLLM's; "
+                                                "default 1 (off)")
+    min_p: Optional[float] = Field(None, ge=0, le=1, description="default 0 (off)")
+    min_tokens: Optional[int] = Field(None, ge=0, description="vLLM's: stop ids held back "
+                                      "until this many tokens (default 0)")
+    response_format: Optional[dict] = Field(
+        None, description="{\"type\": \"text\" | \"json_object\" | \"json_schema\"}")
+    structured_outputs: Optional[dict] = Field(
+        None, description="vLLM's: exactly one of json, regex, choice, grammar, json_object")
+    logit_bias: Optional[dict[str, float]] = Field(
+        None, max_length=MAX_LOGIT_BIAS, description="{\"token id\": bias in -100..100}")
 
 
 class CompletionBody(_Sampling):
@@ -52,6 +89,25 @@ class ChatBody(_Sampling):
     add_generation_prompt: Optional[bool] = None
     logprobs: Optional[bool] = None
     top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
+    chat_template_kwargs: Optional[dict] = Field(None, description="only {} (or leave it out)")
+
+
+class TokenizeBody(BaseModel):
+    """vLLM's /tokenize: `prompt` (text) or `messages` (rendered by the chat template)."""
+    model_config = ConfigDict(extra="forbid")
+    model: Optional[str] = None
+    prompt: Optional[str] = Field(None, description="text; or send messages instead")
+    messages: Optional[list[Message]] = Field(None, min_length=1)
+    add_special_tokens: Optional[bool] = Field(None, description="default true for a prompt "
+                                               "(the tokenizer's BOS rule), false for messages")
+    add_generation_prompt: Optional[bool] = Field(None, description="messages only; default "
+                                                  "true")
+
+
+class DetokenizeBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: Optional[str] = None
+    tokens: list[int] = Field(..., description="token ids (>= 0)")
 
 
 class _ErrorDetail(BaseModel):
@@ -72,7 +128,8 @@ _ERRORS = {400: "a field is invalid (named in `param`)", 401: "missing or wrong 
 def route_extra(body: type[BaseModel] | None) -> dict:
     """`openapi_extra` for a route taking `body` (None: no body): the request body and
     every error response in vLLM's shape."""
-    err = ErrorBody.model_json_schema()
+    err = ErrorBody.model_json_schema(ref_template="#/components/schemas/{model}")
+    err.pop("$defs", None)              # _ErrorDetail goes to the document's components
     extra: dict = {"responses": {str(code): {"description": why, "content": {
         "application/json": {"schema": err}}} for code, why in _ERRORS.items()}}
     if body is not None:
@@ -89,8 +146,9 @@ def add_components(app) -> None:
 
     def openapi():
         doc = build()
-        doc.setdefault("components", {}).setdefault("schemas", {})["Message"] = \
-            Message.model_json_schema()
+        schemas = doc.setdefault("components", {}).setdefault("schemas", {})
+        schemas["Message"] = Message.model_json_schema()
+        schemas["_ErrorDetail"] = _ErrorDetail.model_json_schema()
         return doc
     app.openapi = openapi
 

@@ -11,8 +11,11 @@ whatever tokenizer.json's post-processor says (transformers 4's LlamaTokenizerFa
 class DeepSeek names, rebuilds its post-processor the same way; transformers 5 ignores
 the key when there is a tokenizer.json, which matters only where the two files
 disagree); without the key, tokenizer.json's own post-processor decides (what
-`jlco.generate` does today). `add_eos_token` is ignored: a prompt never ends in EOS. `encode_chat` adds nothing:
-chat templates render `{{ bos_token }}` themselves, as `apply_chat_template` assumes.
+`jlco.generate` does today). `add_eos_token` is ignored: a prompt never ends in EOS.
+`encode_chat` adds nothing: chat templates render `{{ bos_token }}` themselves, as
+`apply_chat_template` assumes. The demo model's byte-level codec carries
+`PLAIN_CHAT_TEMPLATE` ("role: content" lines, then "assistant: "), so chat works
+without a checkpoint.
 Decoding skips special tokens (vLLM's and OpenAI's default) and ids the tokenizer does
 not know, so any id the model can emit decodes to something, possibly "".
 
@@ -264,17 +267,19 @@ class Detokenizer:
     `include_stop`) has been returned, and push/finish return "". The earliest-ending
     match wins, so the result does not depend on how text splits into tokens. With
     `codec` None (a checkpoint without tokenizer.json) there is no text: every call
-    returns "" and stop strings never match.
+    returns "" and stop strings never match. With `min_tokens` (vLLM's), no stop string
+    is looked for before that many tokens were pushed.
     """
 
     def __init__(self, codec: TextCodec | None, stop: Sequence[str] = (),
-                 include_stop: bool = False):
+                 include_stop: bool = False, min_tokens: int = 0):
         for i, s in enumerate(stop):
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop[{i}]={s!r} is invalid: allowed a non-empty string")
         self.codec = codec
         self.stop = tuple(stop)
         self.include_stop = include_stop
+        self.min_tokens, self._pushed = min_tokens, 0
         self.stopped = False
         self.stop_string: str | None = None
         self._ids: list[int] = []
@@ -291,7 +296,12 @@ class Detokenizer:
     def push(self, token_id: int) -> str:
         if self.stopped or self.codec is None:
             return ""
-        return self._release(self._step(int(token_id)), final=False)
+        self._pushed += 1
+        new = self._step(int(token_id))
+        if self._pushed < self.min_tokens:
+            out, self._held = self._held + new, ""
+            return out
+        return self._release(new, final=False)
 
     def finish(self) -> str:
         if self.stopped or self.codec is None:

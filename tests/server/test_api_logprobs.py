@@ -110,6 +110,16 @@ def test_cached_tokens_are_reported(client):
     r = _greedy(client, first + [9] * 30, max_tokens=2)
     # 4 full pages of 16 (the 5th, 64..79, is not full in the first prompt)
     assert r.usage.prompt_tokens_details.cached_tokens == 64
+    # the streamed final usage carries it too
+    chunks = list(_greedy(client, first + [9] * 30 + [4] * 8, max_tokens=2, stream=True,
+                          stream_options={"include_usage": True}))
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens >= 64
+    # and chat: the same long message twice, the second prefill reuses its full pages
+    msgs = [{"role": "user", "content": "tell me about the prefix cache " * 3}]
+    chat = [client.chat.completions.create(model=None, messages=msgs, max_tokens=1,
+                                           temperature=0) for _ in range(2)]
+    assert chat[0].usage.prompt_tokens_details.cached_tokens == 0
+    assert chat[1].usage.prompt_tokens_details.cached_tokens >= 64
 
 
 @pytest.mark.parametrize("body, param", [

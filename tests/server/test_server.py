@@ -88,6 +88,11 @@ def test_health_models_and_metrics(client):
     assert models["data"][0]["max_model_len"] == 512
     m = metrics(client)
     assert m["jlco_host_pool_bytes_capacity"] > 0
+    assert client.get("/metrics").headers["content-type"].startswith(
+        "text/plain; version=0.0.4")
+    r = client.post("/metrics")
+    assert r.status_code == 405 and r.headers["allow"] == "GET"
+    assert r.json()["error"]["code"] == 405
 
 
 def test_text_and_token_id_completions(client):
@@ -199,6 +204,10 @@ def test_cancelled_stream_frees_slot_and_pages(client):
     ({"prompt": "x", "n": True}, 400, "n"),
     ({"prompt": "x", "echo": 0}, 400, "echo"),
     ({"prompt": "x", "max_tokens": 2.5}, 400, "max_tokens"),
+    ({"prompt": "x", "best_of": True}, 400, "best_of"),
+    ({"prompt": "x", "presence_penalty": False}, 400, "presence_penalty"),
+    ({"prompt": "x", "seed": True}, 400, "seed"),
+    ({"prompt": "x", "top_k": 2.5}, 400, "top_k"),
     ({"prompt": ["x", ""]}, 400, "prompt[1]"),
     ({"prompt": "x", "frobnicate": 1}, 400, "frobnicate"),
     ({"prompt": "x", "model": "gpt-17"}, 404, "model"),
@@ -218,6 +227,16 @@ def test_bad_requests_get_vllm_shaped_errors(client, body, status, param):
     assert complete(client, prompt="ok", max_tokens=1)["usage"]["completion_tokens"] == 1
 
 
+def test_numbers_read_as_vllm_reads_them(client):
+    """2.0 is 2, null the default: the same tokens as the plain integers."""
+    body = dict(prompt=PROMPT_IDS, ignore_eos=True, return_token_ids=True, temperature=0.7)
+    want = complete(client, **body, max_tokens=3, seed=1, top_k=5)["choices"]
+    got = complete(client, **body, max_tokens=3.0, seed=1.0, top_k=5.0, n=None,
+                   best_of=None, presence_penalty=0.0)["choices"]
+    assert [c["token_ids"] for c in got] == [c["token_ids"] for c in want]
+    assert len(got) == 1 and len(got[0]["token_ids"]) == 3
+
+
 def test_accepted_noop_fields_and_the_demo_chat_template(client):
     out = complete(client, prompt="x", max_tokens=2, logprobs=None, repetition_penalty=1.0,
                    presence_penalty=0, n=1, best_of=None, user="bench")
@@ -227,6 +246,34 @@ def test_accepted_noop_fields_and_the_demo_chat_template(client):
     assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(
         "user: hi\nassistant: ")                  # the demo model's plain template
     assert client.get("/v1/nope").status_code == 404
+
+
+def _outcomes(client) -> float:
+    return sum(v for k, v in metrics(client).items()
+               if k.startswith("jlco_request_success_total"))
+
+
+def test_every_request_ends_in_one_outcome(client, server):
+    """Finished, stopped, hung up on mid-stream, and choices never read (n=2, the client
+    leaves during the first): each engine request counts once in jlco_request_success."""
+    wait_idle(client)
+    before = _outcomes(client)
+    complete(client, prompt=PROMPT_IDS, max_tokens=3, ignore_eos=True)           # 1
+    complete(client, prompt=PROMPT_IDS[:20], max_tokens=4, n=2, ignore_eos=True)  # 2
+    for n in (1, 2):                                                              # 1 + 2
+        with client.stream("POST", "/v1/completions", json={
+                "prompt": PROMPT_IDS, "max_tokens": 400, "stream": True, "n": n,
+                "ignore_eos": True, "temperature": 0}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    break       # hang up after the first chunk
+    deadline = time.monotonic() + 60
+    while _outcomes(client) < before + 6 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    m = wait_idle(client)
+    time.sleep(1.0)             # nothing is counted twice later on
+    assert _outcomes(client) == before + 6, m
+    assert m["jlco_request_success_total{\"finished_reason\": \"abort\"}"] >= 3
 
 
 def test_metrics_invariants(client):

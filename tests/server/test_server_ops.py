@@ -48,6 +48,12 @@ def test_loading_auth_queue_full_and_sigterm_drain():
                    headers={"Authorization": "Bearer wrong"})
     assert r.status_code == 401
     assert httpx.get(f"{url}/health").status_code == 200        # not under /v1
+    for path, payload in (("/tokenize", {"prompt": "x"}), ("/detokenize", {"tokens": [120]}),
+                          ("/v1/reset_prefix_cache", None)):
+        r = httpx.post(f"{url}{path}", json=payload)
+        assert r.status_code == 401 and r.json()["error"]["code"] == 401, path
+        assert httpx.post(f"{url}{path}", json=payload, headers=AUTH).status_code == 200, path
+    assert httpx.get(f"{url}/v1/models/gpt-17", headers=AUTH).status_code == 404
 
     async def scenario():
         async with httpx.AsyncClient(base_url=url, timeout=120, headers=AUTH) as ac:
@@ -85,6 +91,8 @@ def test_loading_auth_queue_full_and_sigterm_drain():
     assert "draining" in srv.stderr and "drained:" in srv.stderr
     assert "Traceback" not in srv.stderr, srv.stderr[-3000:]
     assert reasons in (["length"], ["abort"]), reasons
+    if reasons == ["abort"]:        # the 1 s grace ran out: the line says so
+        assert "after the 1 s grace and were aborted" in srv.stderr, srv.stderr[-2000:]
 
 
 def _chat_checkpoint(d: pathlib.Path) -> None:
@@ -206,6 +214,9 @@ def test_sigterm_answers_503_until_the_port_closes():
     assert code == 0, srv.stderr[-3000:]
     assert reasons in (["length"], ["abort"]), reasons
     assert "drained:" in srv.stderr and "Traceback" not in srv.stderr
+    # 300 tokens of the tiny model take seconds, not 20: the stream finished in the grace
+    if reasons == ["length"]:
+        assert "drained: 1 running request(s) finished in" in srv.stderr, srv.stderr[-2000:]
 
 
 def test_an_idle_server_stops_at_once():
