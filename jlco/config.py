@@ -76,14 +76,17 @@ def _as_python(v: Any) -> Any:
     return v
 
 
+_TYPES = {"tuple": tuple}   # non-scalar builtins an annotation may name
+
+
 def _check_types(obj: Any, prefix: str) -> None:
     """Type-check every field of the dataclass `obj` against its annotation."""
     for f in dataclasses.fields(obj):
         raw = getattr(obj, f.name)
         v = _as_python(raw)
         kinds = [k.strip() for k in str(f.type).split("|")]
-        if any(_scalar_ok(k, v) if k in _SCALARS else isinstance(v, globals()[k])
-               for k in kinds):
+        if any(_scalar_ok(k, v) if k in _SCALARS
+               else isinstance(v, _TYPES.get(k) or globals()[k]) for k in kinds):
             if v is not raw:
                 object.__setattr__(obj, f.name, v)
             continue
@@ -137,6 +140,13 @@ def _accepts_renamed(section: str):
 
 
 DTYPES = ("bfloat16", "float32", "float16")   # model.dtype: the compute (and weight) dtype
+
+# model.model_type: the checkpoint families jlco implements (config.json `model_type`).
+# deepseek_v32: DeepSeek-V3.2(-Exp); glm_moe_dsa: GLM-5 / 5.1 / 5.2 (the same MLA + DSA, the
+# indexer's RoPE interleaved, and from 5.2 on IndexShare: layers that reuse a top-k).
+MODEL_TYPES = ("deepseek_v32", "glm_moe_dsa")
+MLP_LAYER_TYPES = ("dense", "sparse")
+INDEXER_TYPES = ("full", "shared")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,9 +203,18 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     dtype: str = "bfloat16"
     indexer_fp8: bool = False
+    model_type: str = "deepseek_v32"
+    # Per main layer "dense" | "sparse" (MoE); None = first_k_dense_replace dense layers.
+    mlp_layer_types: tuple | None = None
+    # Per main layer "full" (runs its indexer) | "shared" (reuses the top-k of the last
+    # full layer before it: no indexer weights, no indexer keys); None = all full.
+    indexer_types: tuple | None = None
 
     def __post_init__(self):
         p = "model"
+        for name in ("mlp_layer_types", "indexer_types"):   # JSON (a manifest) gives lists
+            if isinstance(getattr(self, name), list):
+                object.__setattr__(self, name, tuple(getattr(self, name)))
         _check_types(self, p)
         _positive(self, p, "vocab_size", "hidden_size", "intermediate_size",
                   "moe_intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -227,6 +246,23 @@ class ModelConfig:
         _check(self.index_topk <= self.max_position_embeddings, f"{p}.index_topk",
                self.index_topk, f"<= max_position_embeddings ({self.max_position_embeddings})")
         _one_of(self, p, "dtype", DTYPES)
+        _one_of(self, p, "model_type", MODEL_TYPES)
+        self._check_layer_types(p)
+
+    def _check_layer_types(self, p: str) -> None:
+        """mlp_layer_types / indexer_types: one allowed entry per main layer; layer 0
+        runs its indexer (a shared layer needs a full one before it)."""
+        for name, allowed in (("mlp_layer_types", MLP_LAYER_TYPES),
+                              ("indexer_types", INDEXER_TYPES)):
+            v = getattr(self, name)
+            if v is None:
+                continue
+            _check(len(v) == self.num_hidden_layers and all(t in allowed for t in v),
+                   f"{p}.{name}", v, f"{self.num_hidden_layers} entries (num_hidden_layers), "
+                   "each one of " + ", ".join(map(repr, allowed)))
+        if self.indexer_types is not None:
+            _check(self.indexer_types[0] == "full", f"{p}.indexer_types", self.indexer_types,
+                   "'full' for layer 0 (a shared layer reuses an earlier full layer's top-k)")
 
     @property
     def qk_head_dim(self) -> int:
@@ -247,7 +283,27 @@ class ModelConfig:
         return scale
 
     def is_moe_layer(self, layer: int) -> bool:
-        return layer >= self.first_k_dense_replace
+        """Layer `layer` has the MoE block (the MTP layer, past the main ones, always)."""
+        if self.mlp_layer_types is None or layer >= self.num_hidden_layers:
+            return layer >= self.first_k_dense_replace
+        return self.mlp_layer_types[layer] == "sparse"
+
+    def shares_topk(self, layer: int) -> bool:
+        """Layer `layer` reuses the top-k of the last full layer before it (IndexShare):
+        it has no indexer and caches no indexer keys. The MTP layer never does."""
+        return (self.indexer_types is not None and layer < self.num_hidden_layers
+                and self.indexer_types[layer] == "shared")
+
+    @property
+    def indexer_layers(self) -> int:
+        """Main layers that run an indexer (and cache its keys)."""
+        return sum(not self.shares_topk(i) for i in range(self.num_hidden_layers))
+
+    @property
+    def indexer_rope_interleaved(self) -> bool:
+        """The indexer's RoPE: interleaved pairs for GLM (glm_moe_dsa), half split for
+        DeepSeek-V3.2 (docs/facts.md §1, §6)."""
+        return self.model_type == "glm_moe_dsa"
 
     @classmethod
     def from_hf_dict(cls, d: Mapping[str, Any], **overrides: Any) -> "ModelConfig":
@@ -259,8 +315,11 @@ class ModelConfig:
         The compute dtype is not read here (`hf_dtype` reads it; the caller decides)."""
         if not isinstance(d, Mapping):
             raise ConfigError(f"config.json must hold a JSON object, got {type(d).__name__}")
-        names = {f.name for f in dataclasses.fields(cls)} - {"rope_scaling", "dtype", "indexer_fp8"}
+        names = {f.name for f in dataclasses.fields(cls)} - {
+            "rope_scaling", "dtype", "indexer_fp8", "model_type", "mlp_layer_types",
+            "indexer_types"}
         kw = {k: d[k] for k in names if k in d and d[k] is not None}
+        kw.update(_hf_family(d))
         rs = d.get("rope_scaling") or d.get("rope_parameters")
         if rs is not None and not isinstance(rs, Mapping):
             raise ConfigError(f"config.json field 'rope_scaling'/'rope_parameters'={rs!r} is "
@@ -279,6 +338,70 @@ class ModelConfig:
                               f"{', '.join(map(repr, missing))}: each must be set (no "
                               "default: the 671B model's value would be used silently)")
         return cls(**kw)
+
+
+def _hf_family(d: Mapping[str, Any]) -> dict[str, Any]:
+    """The family-specific fields of a config.json: model_type (refused unless jlco
+    implements it: another family's weights would otherwise load by name and decode
+    wrongly), mlp_layer_types, and for glm_moe_dsa its indexer pattern and defaults."""
+    mt = d.get("model_type")
+    if mt not in MODEL_TYPES:
+        raise ConfigError(f"config.json field 'model_type'={mt!r} is invalid: jlco implements "
+                          + ", ".join(map(repr, MODEL_TYPES)))
+    for key, want in (("attention_bias", False), ("hidden_act", "silu")):
+        if d.get(key, want) != want:
+            raise ConfigError(f"config.json field {key!r}={d[key]!r} is invalid: allowed "
+                              f"{want!r} (the only value jlco implements)")
+    kw: dict[str, Any] = {"model_type": mt}
+    n = d.get("num_hidden_layers")
+    mlp = d.get("mlp_layer_types")
+    if mlp is not None:
+        _check(isinstance(mlp, list), "config.json field 'mlp_layer_types'", mlp, "a list")
+        dense = d.get("first_k_dense_replace")
+        if isinstance(n, int) and dense is not None and mlp == _default_mlp(dense, n):
+            mlp = None            # the first_k_dense_replace rule says the same
+        kw["mlp_layer_types"] = None if mlp is None else tuple(mlp)
+    if mt == "glm_moe_dsa":
+        # transformers' GlmMoeDsaConfig defaults, which differ from DeepSeek-V3.2's.
+        kw.update({k: v for k, v in (("n_group", 1), ("topk_group", 1)) if d.get(k) is None})
+        types = _glm_indexer_types(d, n)
+        kw["indexer_types"] = None if types is None or "shared" not in types else tuple(types)
+    return kw
+
+
+def _default_mlp(dense: Any, n: int) -> list[str]:
+    k = min(dense, n) if isinstance(dense, int) else 0
+    return ["dense"] * k + ["sparse"] * (n - k)
+
+
+def _glm_indexer_types(d: Mapping[str, Any], n: Any) -> list | None:
+    """GLM's per-layer indexer modes, read as transformers' GlmMoeDsaConfig reads them:
+    `indexer_types`, else `index_topk_pattern` ("FSSF...", or a list), else the schedule
+    `index_topk_freq` (default 1: all full) / `index_skip_topk_offset` (default 2):
+    layer i is full iff max(i - offset + 1, 0) % freq == 0."""
+    field = "config.json field"
+    if d.get("indexer_types") is not None:
+        types = d["indexer_types"]
+        _check(isinstance(types, list), f"{field} 'indexer_types'", types, "a list")
+        return types
+    pattern = d.get("index_topk_pattern")
+    if isinstance(pattern, str):
+        codes = {"F": "full", "S": "shared"}
+        _check(set(pattern) <= set(codes), f"{field} 'index_topk_pattern'", pattern,
+               "a string of 'F' (full) and 'S' (shared)")
+        return [codes[c] for c in pattern]
+    if pattern is not None:
+        _check(isinstance(pattern, list), f"{field} 'index_topk_pattern'", pattern,
+               "a string of F/S or a list")
+        return pattern
+    freq, offset = d.get("index_topk_freq", 1), d.get("index_skip_topk_offset", 2)
+    for key, v in (("index_topk_freq", freq), ("index_skip_topk_offset", offset)):
+        _check(isinstance(v, int) and not isinstance(v, bool), f"{field} {key!r}", v,
+               "an integer")
+    if not isinstance(n, int):
+        return None               # num_hidden_layers is reported missing by the caller
+    freq = max(freq, 1)
+    return ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(n)]
 
 
 # config.json fields that must be present: everything that decides a weight's shape, the

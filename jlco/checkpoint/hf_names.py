@@ -5,7 +5,9 @@ released checkpoint uses): torch `[out, in]` linears, routed experts one tensor 
 (`mlp.experts.E.{gate,up,down}_proj.weight`), plus the MTP layer `model.layers.{L}.*`
 (L = num_hidden_layers) with enorm, hnorm, eh_proj, shared_head.{norm,head} and its block.
 The released checkpoint also repeats the embedding as `model.layers.{L}.embed_tokens.weight`;
-it is accepted and ignored (the MTP layer shares the main embedding).
+it is accepted and ignored (the MTP layer shares the main embedding). GLM-5
+(`GlmMoeDsaForCausalLM`) writes the same names; a layer that shares its top-k
+(`indexer_types` "shared") has no `self_attn.indexer.*` tensors.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ _MLP = [(f"{p}.weight", (p, "weight"), True) for p in ("gate_proj", "up_proj", "
 _OPTIONAL_MTP = "embed_tokens.weight"
 
 
-def _block_entries(cfg: ModelConfig, hf: str, ours: tuple, moe: bool):
+def _block_entries(cfg: ModelConfig, hf: str, ours: tuple, moe: bool, shared: bool = False):
     """Yield (hf name, torch shape, our path, transform) for one decoder block.
     transform: True = transpose, False = as is, ("expert", e) = row e of a stacked tensor,
     ("heads", half) = the nope / value half of kv_b_proj as [h, n or v, c]."""
@@ -54,6 +56,8 @@ def _block_entries(cfg: ModelConfig, hf: str, ours: tuple, moe: bool):
         "indexer.k_norm.weight": (cfg.index_head_dim,), "indexer.k_norm.bias": (cfg.index_head_dim,),
         "indexer.weights_proj.weight": (cfg.index_n_heads, d)}
     for name, path, t in _ATTN:
+        if shared and name.startswith("indexer."):
+            continue
         yield f"{hf}.self_attn.{name}", attn_shapes[name], ours + ("self_attn",) + path, t
     for norm in ("input_layernorm", "post_attention_layernorm"):
         yield f"{hf}.{norm}.weight", (d,), ours + (norm, "weight"), False
@@ -83,7 +87,8 @@ def _entries(cfg: ModelConfig, mtp: bool):
     d, v = cfg.hidden_size, cfg.vocab_size
     yield "model.embed_tokens.weight", (v, d), ("embed_tokens",), False
     for n in range(cfg.num_hidden_layers):
-        yield from _block_entries(cfg, f"model.layers.{n}", ("layers", n), cfg.is_moe_layer(n))
+        yield from _block_entries(cfg, f"model.layers.{n}", ("layers", n), cfg.is_moe_layer(n),
+                                  cfg.shares_topk(n))
     yield "model.norm.weight", (d,), ("norm", "weight"), False
     yield "lm_head.weight", (v, d), ("lm_head", "weight"), True
     if mtp:

@@ -1,10 +1,13 @@
-"""transformers' DeepseekV32 as the independent reference: random checkpoints and runs.
+"""transformers' DeepseekV32 (or GlmMoeDsa, for model_type glm_moe_dsa) as the independent
+reference: random checkpoints and runs.
 
 Parity tests and `tools/parity_long.py` both need it, and tools must not import the
 tests, so it lives here. It imports torch and transformers (the `test` extra) only when
 called; nothing in the serving path imports this module.
 
-- `build_hf_model` makes a fp32 `DeepseekV32ForCausalLM` mirroring a jlco ModelConfig;
+- `build_hf_model` makes a fp32 `DeepseekV32ForCausalLM` (`GlmMoeDsaForCausalLM` for a
+  glm_moe_dsa config: its indexer_types, mlp_layer_types, rms_norm_eps) mirroring a jlco
+  ModelConfig;
   `hf_tensors` saves it with `save_pretrained` (tensor names exactly the checkpoint's)
   and reads the safetensors back for `jlco.checkpoint.hf_names.model_from_hf`.
 - `hf_greedy_chunked` runs it as a long-context user would: the prompt fed in chunks
@@ -41,7 +44,7 @@ def long_context_model() -> ModelConfig:
 
 
 def hf_config(cfg: ModelConfig, **overrides):
-    from transformers import DeepseekV32Config
+    from transformers import DeepseekV32Config, GlmMoeDsaConfig
     rs = cfg.rope_scaling
     rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
     if rs is not None:
@@ -63,9 +66,14 @@ def hf_config(cfg: ModelConfig, **overrides):
         index_n_heads=cfg.index_n_heads, index_head_dim=cfg.index_head_dim,
         index_topk=cfg.index_topk, rms_norm_eps=cfg.rms_norm_eps,
         max_position_embeddings=cfg.max_position_embeddings, rope_parameters=rope,
-        tie_word_embeddings=cfg.tie_word_embeddings)
+        tie_word_embeddings=cfg.tie_word_embeddings,
+        mlp_layer_types=["sparse" if cfg.is_moe_layer(i) else "dense"
+                         for i in range(cfg.num_hidden_layers)])
+    if cfg.model_type == "glm_moe_dsa":
+        kw["indexer_types"] = ["shared" if cfg.shares_topk(i) else "full"
+                               for i in range(cfg.num_hidden_layers)]
     kw.update(overrides)
-    return DeepseekV32Config(**kw)
+    return (GlmMoeDsaConfig if cfg.model_type == "glm_moe_dsa" else DeepseekV32Config)(**kw)
 
 
 def build_hf_model(cfg: ModelConfig, seed: int = 0, init_std: float = 0.02,
@@ -74,9 +82,10 @@ def build_hf_model(cfg: ModelConfig, seed: int = 0, init_std: float = 0.02,
     logits and indexer scores less flat, so greedy tokens and top-k sets are decisive;
     `bias_std` gives the router's e_score_correction_bias nonzero values to exercise it."""
     import torch
-    from transformers import DeepseekV32ForCausalLM
+    from transformers import DeepseekV32ForCausalLM, GlmMoeDsaForCausalLM
     torch.manual_seed(seed)
-    model = DeepseekV32ForCausalLM(hf_config(cfg, initializer_range=init_std))
+    cls = GlmMoeDsaForCausalLM if cfg.model_type == "glm_moe_dsa" else DeepseekV32ForCausalLM
+    model = cls(hf_config(cfg, initializer_range=init_std))
     model = model.float().eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -127,6 +136,8 @@ def _indexer_hooks(model, record: dict):
     handles = []
     for layer in model.model.layers:
         idx = layer.self_attn.indexer
+        if idx is None:                  # a GLM layer that shares the previous top-k
+            continue
 
         def hook(m, args, kwargs, output, idx=idx):
             sets = np.sort(output[0].numpy(), axis=-1).astype(np.int32)     # [s, k]

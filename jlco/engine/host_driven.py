@@ -128,15 +128,18 @@ def _pre(spec, leaves, cache: DecodeCache, layer, x, cos, sin, positions):
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=2, static_argnames=("nb", "impl"))
-def _select(spec, leaves, cache: DecodeCache, layer, b0, iq, iw, kernel_lengths, *,
+def _select(spec, leaves, cache: DecodeCache, layer, b0, iq, iw, kernel_lengths, topk=None, *,
             nb: int, impl: str):
-    """Micro-batch [b0, b0+nb): top-k (`MLA.select`), the lookup half of
+    """Micro-batch [b0, b0+nb): top-k (`MLA.select`; in a layer that shares its top-k,
+    the last full layer's `topk` [nb,s,k] instead), the lookup half of
     `offload.latent.latent_for_attention` (`resolve_selection`) → (cache, slot ids
     [nb,s,k], missed host ids [nb,M], flat destinations [nb,M] into
-    rows[layer].reshape(b*m, R), −1 = none)."""
-    view = kv_cache.batch_rows(cache, b0, nb)
-    topk = _block(spec, leaves).self_attn.select(
-        view, 0, _slice(iq, b0, nb), _slice(iw, b0, nb), _slice(kernel_lengths, b0, nb), impl)
+    rows[layer].reshape(b*m, R), −1 = none, the top-k used)."""
+    if topk is None:
+        view = kv_cache.batch_rows(cache, b0, nb)
+        topk = _block(spec, leaves).self_attn.select(
+            view, 0, _slice(iq, b0, nb), _slice(iw, b0, nb), _slice(kernel_lengths, b0, nb),
+            impl)
     rec = cache.record
     if rec is not None and rec.shape[2:] == topk.shape[1:]:
         cache = dataclasses.replace(cache, record=rec.at[layer].set(
@@ -144,7 +147,7 @@ def _select(spec, leaves, cache: DecodeCache, layer, b0, iq, iw, kernel_lengths,
     lat, res = resolve_selection(cache.latent, layer, topk, cache.scan_len, b0)
     miss_ids, dest = miss_list(res, _slice(lat.page_table, b0, nb), lat.page_size,
                                lat.rows.shape[2], b0)
-    return dataclasses.replace(cache, latent=lat), res.slot_ids, miss_ids, dest
+    return dataclasses.replace(cache, latent=lat), res.slot_ids, miss_ids, dest, topk
 
 
 @functools.partial(jax.jit, static_argnums=0, static_argnames=("nb", "kv_format", "impl"))
@@ -263,22 +266,26 @@ class HostDriven:
     def _layers(self, graphdef, state, cache, tokens, active, record: bool):
         cache, saved, x, cos, sin, positions, lengths = _begin(graphdef, state, cache,
                                                                tokens, active)
+        topk = [None] * len(self.micro)    # the last full layer's, per micro-batch
         for i, (gd, st) in enumerate(self.layers):
             with jax.named_scope(f"layer_{i}"):
                 cache, x = self._layer(i, gd, st, cache, x, cos, sin, positions, lengths,
-                                       record)
+                                       record, topk)
         return cache, saved, x
 
-    def _layer(self, i, gd, st, cache, x, cos, sin, positions, lengths, record: bool):
-        """One layer, two micro-batches overlapped (see the module docstring)."""
-        layer = self._ids[i]
+    def _layer(self, i, gd, st, cache, x, cos, sin, positions, lengths, record: bool, topk):
+        """One layer, two micro-batches overlapped (see the module docstring). `topk`
+        holds the last full layer's top-k per micro-batch: a layer that shares it
+        (IndexShare) reads it, a full layer replaces it."""
+        layer, shared = self._ids[i], self.cfg.model.shares_topk(i)
         full, cache = cache, kv_cache.layer_view(cache, i)
         cache, q, iq, iw, new_ids, new_rows = _pre(gd, st, cache, layer, x, cos, sin, positions)
         self.pool.write(i, new_ids, new_rows)
         selected = []
-        for b0, nb in self.micro:
-            cache, slot_ids, miss_ids, dest = _select(gd, st, cache, layer, self._b0[b0], iq, iw,
-                                                      lengths, nb=nb, impl=self.impl)
+        for j, (b0, nb) in enumerate(self.micro):
+            cache, slot_ids, miss_ids, dest, topk[j] = _select(
+                gd, st, cache, layer, self._b0[b0], iq, iw, lengths,
+                topk[j] if shared else None, nb=nb, impl=self.impl)
             selected.append((b0, nb, slot_ids, miss_ids, dest))
         outs = []
         for b0, nb, slot_ids, miss_ids, dest in selected:

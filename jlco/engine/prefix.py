@@ -44,8 +44,8 @@ BLOCK = 1024   # positions per load / read call (one compiled shape each)
 class PageEntry:
     """One cached page: per cache layer its rows, keys and scales, stacked on layers."""
     latent: np.ndarray                 # uint8 [L, page, row_bytes]
-    index_k: np.ndarray                # [L, page, D] as the cache stores keys
-    index_scale: np.ndarray | None     # f32 [L, page] (fp8 keys)
+    index_k: np.ndarray                # [L', page, D] as the cache stores keys; L' =
+    index_scale: np.ndarray | None     # f32 [L', page] (fp8)  layers with keys (`_keyed`)
     pieces: tuple[tuple[int, int], ...]    # (lo, width) of the pieces that computed it
     fix: tuple[int, np.ndarray] | None = None  # MTP: (piece lo, hidden [width, d])
 
@@ -179,6 +179,13 @@ class PrefixCache:
 
 # ---- between cached pages and a one-request device cache ------------------------------
 
+def _keyed(arrs) -> list:
+    """The per-layer arrays that hold data: a layer that shares its top-k (IndexShare)
+    keeps zero-width keys and scales, which a page entry does not store (its keys and
+    scales stack the other layers only)."""
+    return [a for a in arrs if a.size]
+
+
 def _block_positions(at, max_len: int):
     return at + jnp.arange(min(BLOCK, max_len), dtype=jnp.int32)
 
@@ -188,8 +195,9 @@ def _load_block(cache, latent, keys, scales, at):
     """Rows of positions at .. at+BLOCK-1 (past max_len dropped) into a [1, t] cache."""
     pos = _block_positions(at, cache.max_len)
 
-    def put(arrs, vals):
-        return tuple(a.at[0, pos].set(v, mode="drop") for a, v in zip(arrs, vals))
+    def put(arrs, vals):     # vals: one per layer with keys (`_keyed`)
+        vals = iter(vals)
+        return tuple(a.at[0, pos].set(next(vals), mode="drop") if a.size else a for a in arrs)
     return dataclasses.replace(
         cache, latent=put(cache.latent, latent), index_k=put(cache.index_k, keys),
         index_scale=None if scales is None else put(cache.index_scale, scales))
@@ -202,7 +210,7 @@ def _read_block(cache, at):
     pos = jnp.minimum(_block_positions(at, cache.max_len), cache.max_len - 1)
 
     def get(arrs):
-        return None if arrs is None else jnp.stack([a[0, pos] for a in arrs])
+        return None if arrs is None else jnp.stack([a[0, pos] for a in _keyed(arrs)])
     return get(cache.latent), get(cache.index_k), get(cache.index_scale)
 
 
@@ -217,7 +225,7 @@ def load(cache, hit: PrefixHit, page_size: int):
 
         def stack(field):
             vals = [getattr(e, field) for e in part]
-            out = np.zeros((e0.latent.shape[0], block) + getattr(e0, field).shape[2:],
+            out = np.zeros((getattr(e0, field).shape[0], block) + getattr(e0, field).shape[2:],
                            getattr(e0, field).dtype)
             out[:, :len(vals) * page_size] = np.concatenate(vals, axis=1)
             return tuple(out)
@@ -243,9 +251,10 @@ def payload_reader(p):
     """`PrefixCache.insert`'s `read` over an imported prefill (`transfer.PrefilledRequest`,
     computed by the same pieces on the prefill node)."""
     def read(lo: int, hi: int):
-        scales = None if p.index_scale is None else np.stack([a[lo:hi] for a in p.index_scale])
-        return (np.stack([a[lo:hi] for a in p.latent]), np.stack([a[lo:hi] for a in p.index_k]),
-                scales)
+        scales = None if p.index_scale is None else np.stack(
+            [a[lo:hi] for a in _keyed(p.index_scale)])
+        return (np.stack([a[lo:hi] for a in p.latent]),
+                np.stack([a[lo:hi] for a in _keyed(p.index_k)]), scales)
     return read
 
 

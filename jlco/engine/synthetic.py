@@ -53,6 +53,8 @@ def synthetic_cache(cfg: Config, key: jax.Array, *, n: int, max_len: int
         lat = cache.latent[layer].at[:, :n].set(rows)
         cache = dataclasses.replace(cache, latent=cache.latent[:layer] + (lat,)
                                     + cache.latent[layer + 1:])
+        if m.shares_topk(layer):          # IndexShare: the layer caches no keys
+            continue
         keys = jax.random.normal(k_keys, (1, n, m.index_head_dim), jnp.float32)
         cache = kv_cache.write_index_key(cache, layer, keys, positions)
     return dataclasses.replace(cache, lengths=jnp.full((1,), n, jnp.int32))

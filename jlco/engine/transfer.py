@@ -61,9 +61,12 @@ class PrefilledRequest:
             if len(arrs) != layers:
                 raise ValueError(f"{name}: {len(arrs)} layers, this model caches {layers}")
             for i, a in enumerate(arrs):
-                if a.shape != shape or a.dtype != dtype:
+                # a layer that shares its top-k (IndexShare) caches zero-width keys
+                want_shape = (shape[:-1] + (0,) if name != "latent" and m.shares_topk(i)
+                              else shape)
+                if a.shape != want_shape or a.dtype != dtype:
                     raise ValueError(f"{name}.{i}: {a.dtype}{list(a.shape)} does not match this "
-                                     f"engine's cache: allowed {dtype}{list(shape)} (kv_format "
+                                     f"engine's cache: allowed {dtype}{list(want_shape)} (kv_format "
                                      f"{cfg.cache.kv_format!r}, indexer_key_format "
                                      f"{cfg.cache.indexer_key_format!r})")
         if self.hidden.shape != (m.hidden_size,) or self.hidden.dtype != np.float32:

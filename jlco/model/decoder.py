@@ -1,4 +1,6 @@
 """DeepSeek-V3.2 in Flax NNX: decoder blocks, the model, and the MTP (next-n) layer.
+The same class runs GLM-5 (`model_type` glm_moe_dsa), whose differences the config
+carries (indexer RoPE, per-layer MLP kinds, layers that share the previous top-k).
 
 Every forward step is the same path: `s` new tokens per request are appended to the
 cache at positions lengths[b] + t and attend (sparsely) to everything cached so far, so
@@ -19,19 +21,22 @@ from jlco.model.moe import MLP, MoE
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: ModelConfig, moe: bool, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, moe: bool, *, rngs: nnx.Rngs, layer: int = 0):
         dt = dtype_of(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dt, rngs=rngs)
-        self.self_attn = MLA(cfg, rngs=rngs)
+        self.self_attn = MLA(cfg, rngs=rngs, layer=layer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dt,
                                                 rngs=rngs)
         self.mlp = (MoE(cfg, rngs=rngs) if moe else
                     MLP(cfg.hidden_size, cfg.intermediate_size, dtype=dt, rngs=rngs))
 
-    def __call__(self, x, cos, sin, cache, layer: int, positions, kernel_lengths, impl: str):
-        a, cache = self.self_attn(self.input_layernorm(x), cos, sin, cache, layer, positions,
-                                  kernel_lengths, impl)
-        return self.residual(x, a), cache
+    def __call__(self, x, cos, sin, cache, layer: int, positions, kernel_lengths, impl: str,
+                 topk=None):
+        """→ (block output, cache, the top-k positions its attention used: the next
+        layer's when that one shares its top-k)."""
+        a, cache, topk = self.self_attn(self.input_layernorm(x), cos, sin, cache, layer,
+                                        positions, kernel_lengths, impl, topk)
+        return self.residual(x, a), cache, topk
 
     def pre(self, x, cos, sin):
         """Host-driven phase 1: the attention block's token-wise projections
@@ -71,7 +76,7 @@ class MTPLayer(nnx.Module):
         self.hnorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dt, rngs=rngs)
         self.eh_proj = Linear(2 * cfg.hidden_size, cfg.hidden_size, axes=(None, "embed"),
                               dtype=dt, rngs=rngs)
-        self.block = DecoderLayer(cfg, moe=True, rngs=rngs)
+        self.block = DecoderLayer(cfg, moe=True, rngs=rngs, layer=cfg.num_hidden_layers)
         self.shared_head = SharedHead(cfg, rngs=rngs)
 
 
@@ -80,7 +85,7 @@ class DeepseekV32(nnx.Module):
         dt = dtype_of(cfg)
         self.cfg = cfg
         self.embed_tokens = param(rngs, (cfg.vocab_size, cfg.hidden_size), dt, ("vocab", "embed"))
-        self.layers = nnx.List([DecoderLayer(cfg, cfg.is_moe_layer(i), rngs=rngs)
+        self.layers = nnx.List([DecoderLayer(cfg, cfg.is_moe_layer(i), rngs=rngs, layer=i)
                                 for i in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dt, rngs=rngs)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, axes=("embed", "vocab"), dtype=dt,
@@ -99,9 +104,11 @@ class DeepseekV32(nnx.Module):
             raise ValueError(f"cache has {cache.num_layers} layers; model needs "
                              f"{self.cfg.num_hidden_layers}")
         x, cos, sin, positions, kernel_lengths = self.inputs(tokens, cache)
+        topk = None     # the last full layer's top-k, for the layers that share it
         for i, layer in enumerate(self.layers):
             with jax.named_scope(f"layer_{i}"):
-                x, cache = layer(x, cos, sin, cache, i, positions, kernel_lengths, impl)
+                x, cache, topk = layer(x, cos, sin, cache, i, positions, kernel_lengths, impl,
+                                       topk)
         return self.finish(x, cache, n_new)
 
     def finish(self, x: jax.Array, cache: kv_cache.DecodeCache, n_new: jax.Array | None = None):
@@ -141,6 +148,6 @@ class DeepseekV32(nnx.Module):
         e = mtp.enorm(self.embed(next_tokens))
         x = mtp.eh_proj(jnp.concatenate([e, mtp.hnorm(h)], axis=-1))
         with jax.named_scope("mtp"):
-            x, cache = mtp.block(x, cos, sin, cache, self.cfg.num_hidden_layers, positions,
-                                 start + s, impl)
+            x, cache, _ = mtp.block(x, cos, sin, cache, self.cfg.num_hidden_layers, positions,
+                                    start + s, impl)
         return mtp.shared_head(x), x, cache

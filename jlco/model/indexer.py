@@ -2,8 +2,9 @@
 
 docs/facts.md §1: q = wq_b(qr), k = LayerNorm(wk(x)); both split [rope | nope] (rope FIRST,
 unlike MLA) with non-interleaved RoPE; weights = weights_proj(x) · H^-0.5 · D^-0.5;
-score = Σ_h w_h · ReLU(q_h · k). With `cfg.indexer_fp8` the deployed numerics are
-emulated: Hadamard-rotate q and k, round both through e4m3 with UE8M0 scales.
+score = Σ_h w_h · ReLU(q_h · k). GLM-5 (glm_moe_dsa) rotates the same rope slice with
+interleaved RoPE instead (docs/facts.md §6). With `cfg.indexer_fp8` the deployed numerics
+are emulated: Hadamard-rotate q and k, round both through e4m3 with UE8M0 scales.
 """
 
 from __future__ import annotations
@@ -14,7 +15,13 @@ from flax import nnx
 
 from jlco.config import ModelConfig
 from jlco.model import attention, fp8_emul, kv_cache
-from jlco.model.layers import LayerNorm, Linear, apply_rope_half, dtype_of
+from jlco.model.layers import (
+    LayerNorm,
+    Linear,
+    apply_rope_half,
+    apply_rope_interleaved,
+    dtype_of,
+)
 
 
 class Indexer(nnx.Module):
@@ -37,8 +44,9 @@ class Indexer(nnx.Module):
         with jax.named_scope("indexer_project"):
             q = self.wq_b(qr).reshape(b, s, cfg.index_n_heads, cfg.index_head_dim)
             k = self.k_norm(self.wk(x))
-            q = jnp.concatenate([apply_rope_half(q[..., :r], cos, sin), q[..., r:]], axis=-1)
-            k = jnp.concatenate([apply_rope_half(k[..., :r], cos, sin), k[..., r:]], axis=-1)
+            rope = apply_rope_interleaved if cfg.indexer_rope_interleaved else apply_rope_half
+            q = jnp.concatenate([rope(q[..., :r], cos, sin), q[..., r:]], axis=-1)
+            k = jnp.concatenate([rope(k[..., :r], cos, sin), k[..., r:]], axis=-1)
             if cfg.indexer_fp8:
                 block = fp8_emul.indexer_block(cfg.index_head_dim)
                 q = fp8_emul.fp8_roundtrip(fp8_emul.hadamard_rotate(q), block)

@@ -97,12 +97,15 @@ def init_cache(cfg: Config, batch: int | None = None, max_len: int | None = None
     if fp8_keys and m.index_head_dim > 128:
         raise ValueError(f"cache.indexer_key_format='fp8' keeps one scale per token: "
                          f"model.index_head_dim ({m.index_head_dim}) must be <= 128")
-    def per_layer(shape, dtype):
-        return tuple(jnp.zeros(shape, dtype) for _ in range(n))
+    def per_layer(shape, dtype, keys=False):
+        # A layer that shares its top-k caches no keys: its entries have a last
+        # dimension of 0 (the tuple keeps one entry per layer, and no bytes).
+        return tuple(jnp.zeros(shape[:-1] + (0,) if keys and m.shares_topk(i) else shape, dtype)
+                     for i in range(n))
     return DecodeCache(
         latent=per_layer((b, t, cfg.row_bytes), jnp.uint8) if latent is None else latent,
-        index_k=per_layer((b, t, m.index_head_dim), _key_storage_dtype(cfg)),
-        index_scale=per_layer((b, t), jnp.float32) if fp8_keys else None,
+        index_k=per_layer((b, t, m.index_head_dim), _key_storage_dtype(cfg), keys=True),
+        index_scale=per_layer((b, t), jnp.float32, keys=True) if fp8_keys else None,
         lengths=jnp.zeros((b,), jnp.int32),
         kv_format=cfg.cache.kv_format, key_format=cfg.cache.indexer_key_format,
         d_rope=m.qk_rope_head_dim)

@@ -3,6 +3,8 @@
 Only the latent row [c (kv_lora_rank) | k_rope] is cached. q_nope is absorbed into the
 latent space by W_UK (the nope half of kv_b_proj), attention runs over the selected
 rows, and W_UV (the value half) maps the latent output back to heads (docs/facts.md §1).
+A layer that shares its top-k (IndexShare, `ModelConfig.shares_topk`) has no indexer: it
+attends over the positions the last full layer before it selected.
 """
 
 from __future__ import annotations
@@ -15,6 +17,11 @@ from jlco.config import ModelConfig
 from jlco.model import attention, kv_cache
 from jlco.model.indexer import Indexer
 from jlco.model.layers import Linear, RMSNorm, apply_rope_interleaved, dtype_of, param
+
+# q_a_layernorm / kv_a_layernorm eps: fixed, not config.rms_norm_eps, as transformers'
+# DeepseekV32 and GlmMoeDsa and DeepSeek's reference build them (GLM-5's rms_norm_eps is
+# 1e-5; docs/facts.md §6).
+LATENT_NORM_EPS = 1e-6
 
 
 class KVUp(nnx.Module):
@@ -38,21 +45,21 @@ class KVUp(nnx.Module):
 
 
 class MLA(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, layer: int = 0):
         dt, h = dtype_of(cfg), cfg.num_attention_heads
         self.cfg = cfg
         self.q_a_proj = Linear(cfg.hidden_size, cfg.q_lora_rank, axes=("embed", "q_lora"),
                                dtype=dt, rngs=rngs)
-        self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, eps=cfg.rms_norm_eps, dtype=dt, rngs=rngs)
+        self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, eps=LATENT_NORM_EPS, dtype=dt, rngs=rngs)
         self.q_b_proj = Linear(cfg.q_lora_rank, h * cfg.qk_head_dim, axes=("q_lora", "heads"),
                                dtype=dt, rngs=rngs)
         self.kv_a_proj_with_mqa = Linear(cfg.hidden_size, cfg.latent_dim,
                                          axes=("embed", "kv_lora"), dtype=dt, rngs=rngs)
-        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, eps=cfg.rms_norm_eps, dtype=dt, rngs=rngs)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, eps=LATENT_NORM_EPS, dtype=dt, rngs=rngs)
         self.kv_b_proj = KVUp(cfg, rngs=rngs)
         self.o_proj = Linear(h * cfg.v_head_dim, cfg.hidden_size, axes=("heads", "embed"),
                              dtype=dt, rngs=rngs)
-        self.indexer = Indexer(cfg, rngs=rngs)
+        self.indexer = None if cfg.shares_topk(layer) else Indexer(cfg, rngs=rngs)
 
     def latent(self, x, cos, sin):
         """New latent rows [b,s,c+r]: normed c | RoPE'd k_rope (de-interleaved layout)."""
@@ -74,10 +81,13 @@ class MLA(nnx.Module):
     def pre(self, x, cos, sin):
         """Token-wise projections of one step (no cache access) → (latent rows
         [b,s,c+r], absorbed queries [b,s,h,c+r], indexer q [b,s,H,D], indexer key [b,s,D],
-        indexer weights [b,s,H]). The host-driven engine runs this phase on the whole
-        batch, then selection and attention per micro-batch, so each phase is shared
-        with `__call__` and both paths compute the same bits."""
+        indexer weights [b,s,H]); the three indexer values are None in a layer that shares
+        its top-k. The host-driven engine runs this phase on the whole batch, then
+        selection and attention per micro-batch, so each phase is shared with `__call__`
+        and both paths compute the same bits."""
         qr = self.q_a_layernorm(self.q_a_proj(x))
+        if self.indexer is None:
+            return self.latent(x, cos, sin), self.queries(qr, cos, sin), None, None, None
         iq, ik, iw = self.indexer.project(x, qr, cos, sin)
         return self.latent(x, cos, sin), self.queries(qr, cos, sin), iq, ik, iw
 
@@ -97,8 +107,11 @@ class MLA(nnx.Module):
 
     def write(self, cache: kv_cache.DecodeCache, layer, key_layer, latent, ik, positions):
         """This step's new latent rows [b,s,c+r] and indexer keys [b,s,D] into the cache
-        at positions [b,s] (`key_layer`: the keys' layer index, 0 in a `layer_view`)."""
+        at positions [b,s] (`key_layer`: the keys' layer index, 0 in a `layer_view`;
+        ik None: a layer that shares its top-k, which caches no keys)."""
         cache = kv_cache.write_latent(cache, layer, latent, positions)
+        if ik is None:
+            return cache
         return kv_cache.write_index_key(cache, key_layer, ik, positions)
 
     def select(self, cache: kv_cache.DecodeCache, key_layer, iq, iw, kernel_lengths, impl: str):
@@ -107,21 +120,27 @@ class MLA(nnx.Module):
         return self.indexer.topk(iq, iw, keys, scale, kernel_lengths, cache.key_format, impl)
 
     def __call__(self, x, cos, sin, cache: kv_cache.DecodeCache, layer: int,
-                 positions, kernel_lengths, impl: str):
-        """One MLA block of a step: `pre`, `write`, `select`, then the selected rows
-        (`kv_cache.latent_for_attention`: offloaded, misses fetched in the jit), `attend`
-        and `post`. The host-driven engine runs the same methods as separate phases."""
+                 positions, kernel_lengths, impl: str, topk=None):
+        """One MLA block of a step: `pre`, `write`, `select` (or, in a layer that shares
+        its top-k, the previous full layer's positions `topk` [b,s,k]), then the selected
+        rows (`kv_cache.latent_for_attention`: offloaded, misses fetched in the jit),
+        `attend` and `post` → (output, cache, the top-k positions used). The host-driven
+        engine runs the same methods as separate phases."""
         with jax.named_scope("mla"):
             latent, q, iq, ik, iw = self.pre(x, cos, sin)
             cache = self.write(cache, layer, layer, latent, ik, positions)
-            topk_pos = self.select(cache, layer, iq, iw, kernel_lengths, impl)
+            if self.indexer is not None:
+                topk = self.select(cache, layer, iq, iw, kernel_lengths, impl)
+            elif topk is None:
+                raise ValueError(f"layer {layer} shares its top-k (indexer_types) but no "
+                                 "earlier full layer's top-k was given")
             dense = kv_cache.dense_rows(cache, layer, q.shape[1])
             if dense is not None:   # a prefill chunk over a short context
-                cache = kv_cache.record_topk(cache, layer, topk_pos)
-                out = attention.sparse_mla_dense(q, dense, topk_pos, self.cfg.softmax_scale,
+                cache = kv_cache.record_topk(cache, layer, topk)
+                out = attention.sparse_mla_dense(q, dense, topk, self.cfg.softmax_scale,
                                                  kv_format=cache.kv_format,
                                                  d_rope=self.cfg.qk_rope_head_dim)
-                return self.post(out, x.dtype), cache
-            cache, rows, ids = kv_cache.latent_for_attention(cache, layer, topk_pos)
+                return self.post(out, x.dtype), cache, topk
+            cache, rows, ids = kv_cache.latent_for_attention(cache, layer, topk)
             out = self.attend(q, rows, ids, cache.kv_format, impl)
-            return self.post(out, x.dtype), cache
+            return self.post(out, x.dtype), cache, topk

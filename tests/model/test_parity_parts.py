@@ -118,7 +118,8 @@ def test_mla_output(setup):
     args, kwargs, want = store["attn"]
     x = jnp.asarray(t2n(kwargs["hidden_states"]))
     cache, pos, lengths, cos, sin = _fresh()
-    got, cache = ours.layers[MOE_LAYER].self_attn(x, cos, sin, cache, MOE_LAYER, pos, lengths, "xla")
+    got, cache, _ = ours.layers[MOE_LAYER].self_attn(x, cos, sin, cache, MOE_LAYER, pos, lengths,
+                                                     "xla")
     chex.assert_shape(got, (1, SEQ, CFG.model.hidden_size))   # [b, s, hidden]
     chex.assert_type(got, jnp.float32)
     _close(got, t2n(want[0]))
@@ -142,5 +143,5 @@ def test_one_block(setup):
     args, kwargs, want = store["block"]
     x = jnp.asarray(t2n(args[0]))
     cache, pos, lengths, cos, sin = _fresh()
-    got, _ = ours.layers[MOE_LAYER](x, cos, sin, cache, MOE_LAYER, pos, lengths, "xla")
+    got, _, _ = ours.layers[MOE_LAYER](x, cos, sin, cache, MOE_LAYER, pos, lengths, "xla")
     _close(got, t2n(want if isinstance(want, torch.Tensor) else want[0]))
