@@ -103,7 +103,7 @@ def weight_bytes(m: ModelConfig, ep: int = 1, weight_format: str = "fp8",
     _positive("tensor", tensor)
     hi = 4 if weight_format == "f32" else 2
     p, nl, h = param_counts(m), m.num_hidden_layers, m.hidden_size
-    n_moe = nl - m.first_k_dense_replace
+    n_dense, n_moe, n_idx = layer_counts(m)
     mtp = m.num_nextn_predict_layers
     split = lambda n: -(-n // tensor)  # noqa: E731
     expert_b = _linear_bytes(_ffn(h, m.moe_intermediate_size, tensor), weight_format)
@@ -117,14 +117,14 @@ def weight_bytes(m: ModelConfig, ep: int = 1, weight_format: str = "fp8",
                    + hi * (p["mtp_extra"] + vocab))
     per_layer = p["attention"] + p["indexer"] + p["norms"]
     total = (p["embed"] + p["lm_head"] + p["final_norm"]
-             + (nl + mtp) * per_layer + m.first_k_dense_replace * p["dense_ffn"]
+             + (nl + mtp) * per_layer - (nl - n_idx) * p["indexer"] + n_dense * p["dense_ffn"]
              + (n_moe + mtp) * ((m.n_routed_experts + m.n_shared_experts) * p["expert"]
                                 + p["router"]) + mtp * (p["mtp_extra"] + p["mtp_head"]))
     rank = _rank_params(m, p, local, tensor)
     return WeightBytes(
         embed_and_head=hi * (2 * vocab + p["final_norm"]),
-        attention=nl * attn_b, indexer=nl * idx_b,
-        dense_ffn=m.first_k_dense_replace * _linear_bytes(_ffn(h, m.intermediate_size, tensor),
+        attention=nl * attn_b, indexer=n_idx * idx_b,
+        dense_ffn=n_dense * _linear_bytes(_ffn(h, m.intermediate_size, tensor),
                                                           weight_format),
         routed_experts=n_moe * local * expert_b,
         shared_experts=n_moe * m.n_shared_experts * expert_b,
@@ -132,16 +132,23 @@ def weight_bytes(m: ModelConfig, ep: int = 1, weight_format: str = "fp8",
         mtp=mtp_b, params_total=total, params_rank=rank)
 
 
+def layer_counts(m: ModelConfig) -> tuple[int, int, int]:
+    """(dense-MLP, MoE, indexer) main layers: mlp_layer_types or first_k_dense_replace
+    decide the first two; a layer that shares its top-k (IndexShare) has no indexer."""
+    n_moe = sum(m.is_moe_layer(i) for i in range(m.num_hidden_layers))
+    return m.num_hidden_layers - n_moe, n_moe, m.indexer_layers
+
+
 def _rank_params(m: ModelConfig, p: dict, local: int, tensor: int) -> int:
     """Parameters one rank holds, split as `weight_bytes` splits the bytes."""
     h, nl, mtp = m.hidden_size, m.num_hidden_layers, m.num_nextn_predict_layers
-    n_moe = nl - m.first_k_dense_replace
+    n_dense, n_moe, n_idx = layer_counts(m)
     count = lambda shapes: sum(i * o for i, o in shapes)  # noqa: E731
     vocab = -(-m.vocab_size // tensor) * h
     idx = count(_indexer_fp8(m, tensor)) + h * -(-m.index_n_heads // tensor)
     per_layer = count(_attn_linears(m, tensor)) + idx + p["norms"]
     expert = count(_ffn(h, m.moe_intermediate_size, tensor))
-    return (2 * vocab + p["final_norm"] + (nl + mtp) * per_layer
-            + m.first_k_dense_replace * count(_ffn(h, m.intermediate_size, tensor))
+    return (2 * vocab + p["final_norm"] + (nl + mtp) * per_layer - (nl - n_idx) * idx
+            + n_dense * count(_ffn(h, m.intermediate_size, tensor))
             + (n_moe + mtp) * ((local + m.n_shared_experts) * expert + p["router"])
             + mtp * (p["mtp_extra"] + vocab))

@@ -53,7 +53,7 @@ from collections.abc import Sequence
 
 from jlco.config import Config, ModelConfig
 from jlco.planning.hardware import get_hardware
-from jlco.planning.params import param_counts
+from jlco.planning.params import layer_counts, param_counts
 from jlco.util.buckets import (MIN_PIECE, MIN_SCAN, WARMUP_QUERIES, piece_grid,  # noqa: F401
                                pow2_bucket, prompt_pieces)
 
@@ -192,8 +192,8 @@ def decode_step_cost(cfg: Config, batch: int, contexts: int | Sequence[int],
     f32 = 4
     p = param_counts(m)
     n_tok = batch * s_q
-    layers, n_dense = m.num_hidden_layers, m.first_k_dense_replace
-    n_moe = layers - n_dense
+    layers = m.num_hidden_layers
+    n_dense, n_moe, n_idx = layer_counts(m)     # only n_idx layers run an indexer
     h, hh, d = m.hidden_size, m.index_n_heads, m.index_head_dim
     idx_lin = m.q_lora_rank * hh * d + h * d          # indexer wq_b + wk (model dtype)
     idx_wp = h * hh                                   # indexer weights_proj (float32)
@@ -208,22 +208,22 @@ def decode_step_cost(cfg: Config, batch: int, contexts: int | Sequence[int],
         embed=(0 if m.tie_word_embeddings else min(n_tok, m.vocab_size) * h * w),
         lm_head=m.vocab_size * h * w,
         attention=layers * p["attention"] * w,
-        indexer=layers * (idx_lin * w + idx_wp * f32),
+        indexer=n_idx * (idx_lin * w + idx_wp * f32),
         norms=(layers * p["norms"] + p["final_norm"]) * w,
         router=n_moe * (router + m.n_routed_experts) * f32,
         routed_experts=n_moe * touched * p["expert"] * w,
         shared_experts=n_moe * m.n_shared_experts * p["expert"] * w,
         dense_ffn=n_dense * p["dense_ffn"] * w,
-        index_keys=layers * idx["keys"],
+        index_keys=n_idx * idx["keys"],
         latent_rows=layers * sum(rows) * cfg.row_bytes,
-        cache_writes=layers * n_tok * (cfg.row_bytes + kb),
+        cache_writes=n_tok * (layers * cfg.row_bytes + n_idx * kb),
     )
-    per_token = (layers * (p["attention"] + idx_lin + idx_wp)
+    per_token = (layers * p["attention"] + n_idx * (idx_lin + idx_wp)
                  + n_moe * (router + (m.num_experts_per_tok + m.n_shared_experts) * p["expert"])
                  + n_dense * p["dense_ffn"] + m.vocab_size * h)
     fl = dict(
         matmul=2 * per_token * n_tok,
-        indexer_scores=layers * idx["flops"],
+        indexer_scores=n_idx * idx["flops"],
         sparse_mla=layers * 2 * m.num_attention_heads * (m.latent_dim + m.kv_lora_rank)
         * sum(rows),
     )
@@ -304,10 +304,10 @@ def _piece_cost(cfg: Config, lo: int, queries: int, scan: int | None) -> StepRoo
     by, fl = dict(s.bytes), dict(s.flops)
     fl["matmul"] -= 2 * m.vocab_size * m.hidden_size * (queries - 1)
     if scan is not None:
-        layers, k = m.num_hidden_layers, m.index_topk
-        by["index_keys"] = layers * scan * index_key_bytes(cfg)
+        layers, k, n_idx = m.num_hidden_layers, m.index_topk, m.indexer_layers
+        by["index_keys"] = n_idx * scan * index_key_bytes(cfg)
         by["latent_rows"] = layers * queries * k * cfg.row_bytes
-        fl["indexer_scores"] = layers * 2 * m.index_n_heads * m.index_head_dim * queries * scan
+        fl["indexer_scores"] = n_idx * 2 * m.index_n_heads * m.index_head_dim * queries * scan
         fl["sparse_mla"] = (layers * 2 * m.num_attention_heads
                             * (m.latent_dim + m.kv_lora_rank) * queries * k)
     return StepRoofline(1, queries, (lo,), s.experts_touched, by, fl)
