@@ -282,3 +282,158 @@ def test_an_empty_stream_still_says_something():
     assert final["output"][0]["content"] == [{"type": "output_text", "text": "",
                                               "annotations": []}]
     assert not [e for e in evs if e["type"] == "response.output_text.delta"]
+
+
+# -- through the openai client against a real server -----------------------------------
+
+@pytest.fixture(scope="module")
+def server():
+    srv = ServerProcess(*TINY_OFFLOAD)
+    yield srv
+    assert srv.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+
+
+GREEDY = dict(temperature=0, max_output_tokens=12)
+ITEMS = [{"role": "user", "content": "hello"},
+         {"type": "message", "role": "assistant",
+          "content": [{"type": "output_text", "text": "hi", "annotations": []}]},
+         {"type": "message", "role": "user",
+          "content": [{"type": "input_text", "text": "and "},
+                      {"type": "input_text", "text": "again"}]}]
+CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"},
+        {"role": "assistant", "content": "hi"}, {"role": "user", "content": "and again"}]
+
+
+def test_a_string_input(client):
+    r = client.responses.create(input="hello", **GREEDY)
+    assert r.object == "response" and r.id.startswith("resp_")
+    assert r.model and r.store is False and r.tools == [] and r.max_output_tokens == 12
+    assert [o.type for o in r.output] == ["message"]
+    msg = r.output[0]
+    assert msg.role == "assistant" and msg.content[0].type == "output_text"
+    assert r.output_text == msg.content[0].text
+    assert r.usage.input_tokens > 0 and r.usage.output_tokens > 0
+    assert r.usage.total_tokens == r.usage.input_tokens + r.usage.output_tokens
+
+
+def test_message_items_and_instructions_are_the_chat_conversation(client):
+    """The adapter serves the chat route: the same conversation, the same text."""
+    r = client.responses.create(input=ITEMS, instructions="be brief", **GREEDY)
+    c = client.chat.completions.create(model=None, messages=CHAT, temperature=0,
+                                       max_tokens=12)
+    assert r.output_text == c.choices[0].message.content
+    assert r.usage.input_tokens == c.usage.prompt_tokens
+    assert r.instructions == "be brief"
+
+
+def test_the_stream_ends_in_the_whole_response(client):
+    whole = client.responses.create(input=ITEMS, instructions="be brief", **GREEDY)
+    evs = list(client.responses.create(input=ITEMS, instructions="be brief", stream=True,
+                                       **GREEDY))
+    types = [e.type for e in evs]
+    assert types[:4] == ["response.created", "response.in_progress",
+                         "response.output_item.added", "response.content_part.added"]
+    assert types[-4:] == ["response.output_text.done", "response.content_part.done",
+                          "response.output_item.done", "response." + whole.status]
+    assert set(types[4:-4]) == {"response.output_text.delta"}
+    seqs = [e.sequence_number for e in evs]
+    assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs)
+    deltas = "".join(e.delta for e in evs if e.type == "response.output_text.delta")
+    final = evs[-1].response
+    assert deltas == final.output_text == whole.output_text
+    assert evs[-4].text == deltas
+    assert _strip_ids(final.model_dump()) == _strip_ids(whole.model_dump())
+
+
+def test_max_output_tokens_makes_it_incomplete(client):
+    r = client.responses.create(input="hello", temperature=0, max_output_tokens=3)
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    assert r.usage.output_tokens == 3 and r.output[0].status == "incomplete"
+
+
+SCHEMA = {"type": "object", "properties": {
+    "n": {"type": "integer", "minimum": 0, "maximum": 99}, "ok": {"type": "boolean"},
+    "tag": {"enum": ["red", "green"]}}, "required": ["n", "ok", "tag"],
+    "additionalProperties": False}
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_text_format_json_schema(client, seed):
+    r = client.responses.create(input="json please", temperature=1.0,
+                                max_output_tokens=200, extra_body={"seed": seed},
+                                text={"format": {"type": "json_schema", "name": "thing",
+                                                 "schema": SCHEMA, "strict": True}})
+    assert r.status == "completed"
+    jsonschema.validate(json.loads(r.output_text), SCHEMA)
+    assert r.text.format.type == "json_schema"
+
+
+def test_function_call_output_items_are_the_chat_tool_turn(client):
+    items = [{"role": "user", "content": "weather?"},
+             {"type": "function_call", "call_id": "call_1", "name": "get_weather",
+              "arguments": "{\"city\": \"Oslo\"}"},
+             {"type": "function_call_output", "call_id": "call_1", "output": "rain"}]
+    r = client.responses.create(input=items, tools=[TOOL], **GREEDY)
+    chat_tool = [{"type": "function", "function": {
+        k: TOOL[k] for k in ("name", "description", "parameters", "strict")}}]
+    c = client.chat.completions.create(model=None, temperature=0, max_tokens=12,
+                                       tools=chat_tool, messages=[
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": "{\"city\": \"Oslo\"}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "rain"}])
+    assert r.usage.input_tokens == c.usage.prompt_tokens
+    assert r.output_text == (c.choices[0].message.content or "")
+
+
+BOUNDED = dict(TOOL, parameters={"type": "object", "properties": {
+    "city": {"type": "string", "maxLength": 8}}, "required": ["city"],
+    "additionalProperties": False})
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_forced_tool_call_is_a_function_call_item(client, stream):
+    kw = dict(input="weather?", tools=[BOUNDED], temperature=0, max_output_tokens=100,
+              tool_choice={"type": "function", "name": "get_weather"})
+    if stream:
+        evs = list(client.responses.create(stream=True, **kw))
+        r = evs[-1].response
+        args = "".join(e.delta for e in evs
+                       if e.type == "response.function_call_arguments.delta")
+        done = [e for e in evs if e.type == "response.function_call_arguments.done"]
+        assert len(done) == 1 and done[0].arguments == args and done[0].name == "get_weather"
+    else:
+        r = client.responses.create(**kw)
+    calls = [o for o in r.output if o.type == "function_call"]
+    assert r.status == "completed" and len(calls) == 1
+    assert calls[0].name == "get_weather" and calls[0].call_id
+    jsonschema.validate(json.loads(calls[0].arguments), BOUNDED["parameters"])
+
+
+def test_refusals_through_the_client(client, server):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.responses.create(input="x", previous_response_id="resp_123")
+    assert err.value.body["param"] == "previous_response_id"
+    assert "send the whole conversation in `input`" in err.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as err:
+        client.responses.create(input="x", extra_body={"frobnicate": 1})
+    assert err.value.body["param"] == "frobnicate"
+    with pytest.raises(openai.BadRequestError) as err:    # the chat route's check, renamed
+        client.responses.create(input="x", max_output_tokens=100000)
+    assert err.value.body["param"] == "max_output_tokens"
+    r = httpx.post(f"{server.url}/v1/responses", content=b"[1]")
+    assert r.status_code == 400 and r.json()["error"]["code"] == 400
+
+
+def test_openapi_declares_the_route(server):
+    op = httpx.get(f"{server.url}/openapi.json").json()["paths"]["/v1/responses"]["post"]
+    props = op["requestBody"]["content"]["application/json"]["schema"]["properties"]
+    assert {"input", "instructions", "tools", "text", "max_output_tokens"} <= set(props)
+    assert "error" in op["responses"]["400"]["content"]["application/json"]["schema"][
+        "properties"]
