@@ -63,7 +63,8 @@ def apply_mask(logits, constrained, allowed):
     v = logits.shape[-1]
 
     def masked(x):
-        ids = jnp.arange(v)
-        bits = (allowed[:, ids // 32] >> (ids % 32).astype(jnp.int32)) & 1      # [b, V]
+        # Unpacked by a broadcast shift (no gather): [b, W, 32] → [b, 32 W] → [b, V].
+        shifts = jnp.arange(32, dtype=jnp.int32)
+        bits = ((allowed[:, :, None] >> shifts) & 1).reshape(allowed.shape[0], -1)[:, :v]
         return jnp.where(constrained[:, None] & (bits == 0), -jnp.inf, x)
     return jax.lax.cond(jnp.any(constrained), masked, lambda x: x, logits)

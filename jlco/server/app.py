@@ -33,6 +33,7 @@ from jlco.engine.scheduler import RequestError
 from jlco.server.loop import Delta, EngineLoop, Stream, refusal
 from jlco.server.metrics import ServerMetrics
 from jlco.server import schema
+from jlco.server import responses_api
 from jlco.server.responses import Choice, Piece, sse, whole
 from jlco.server.protocol import (
     ApiError,
@@ -44,8 +45,9 @@ from jlco.server.protocol import (
     parse_json,
     parse_tokenize,
 )
+from jlco.server.assistant import chat_prompt, shaper_for
 from jlco.server.state import ServerState  # noqa: F401 (the app's state, re-exported)
-from jlco.server.text import Detokenizer, TextCodec, render_chat
+from jlco.server.text import Detokenizer, TextCodec
 from jlco.structured.grammar import GrammarError, GrammarSpec
 
 DISCONNECT_POLL_S = 0.5
@@ -81,6 +83,7 @@ def create_app(state: ServerState) -> FastAPI:
     app.post("/v1/completions", openapi_extra=schema.route_extra(schema.CompletionBody))(
         completions)
     app.post("/v1/chat/completions", openapi_extra=schema.route_extra(schema.ChatBody))(chat)
+    responses_api.register(app, chat)      # POST /v1/responses, over chat
     app.post("/v1/internal/prefilled", openapi_extra=none)(import_prefilled)
     app.post("/v1/internal/prefill", openapi_extra=none)(export_prefill)
     schema.add_components(app)
@@ -176,7 +179,8 @@ async def tokenize(request: Request):
     t = parse_tokenize(parse_json(await request.body()))
     codec = _codec_for(state, t.model)
     if t.messages is not None:
-        text = _chat_text(codec, t.messages, t.add_generation_prompt)
+        text = chat_prompt(codec, state.model_type, t.messages, t.add_generation_prompt,
+                           SamplingRequest.plain())
         ids = codec.encode(text) if t.add_special_tokens else codec.encode_chat(text)
     else:       # encode_chat adds no special token: the text alone
         ids = codec.encode(t.prompt) if t.add_special_tokens else codec.encode_chat(t.prompt)
@@ -207,22 +211,9 @@ async def completions(request: Request):
 
 async def chat(request: Request):
     params, messages, add_gen = parse_chat(parse_json(await request.body()))
-    text = _chat_text(_state(request).codec, messages, add_gen)
+    state = _state(request)
+    text = chat_prompt(state.codec, state.model_type, messages, add_gen, params)
     return await _serve(request, params, text, chat=True)
-
-
-def _chat_text(codec, messages: list[dict], add_gen: bool) -> str:
-    """The chat rendered by the codec's template, or a 400."""
-    if codec is None or codec.chat_template is None:
-        raise ApiError(400, "this model has no chat template (the checkpoint's "
-                            "tokenizer_config.json carries none): use /v1/completions",
-                       "messages")
-    try:
-        return render_chat(codec.chat_template, messages, add_generation_prompt=add_gen,
-                           bos_token=getattr(codec, "bos_token", None) or "",
-                           eos_token=getattr(codec, "eos_token", None) or "")
-    except ValueError as err:
-        raise ApiError(400, f"messages: {err}", "messages") from None
 
 
 async def import_prefilled(request: Request):
@@ -294,6 +285,8 @@ async def _serve(request: Request, p: SamplingRequest, chat_text: str | None, *,
         for c in choices:       # nobody will read them: give their slots back
             c.abandon()
         raise
+    for c in choices if chat else ():
+        c.shaper = shaper_for(p, state.model_type, chat_text)
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}"
     if p.stream:
         return StreamingResponse(sse(choices, rid, p, state, chat),

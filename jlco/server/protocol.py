@@ -19,6 +19,7 @@ from typing import Any
 from jlco.engine.penalties import Penalties
 from jlco.structured.grammar import GrammarSpec
 from jlco.structured.request import FieldError, read_structured
+from jlco.structured.tools import ToolRequest, read_tools
 
 DEFAULT_MAX_TOKENS = 16        # OpenAI's (and vLLM's) default for /v1/completions
 MAX_LOGPROBS = 20              # alternatives per token (OpenAI's cap)
@@ -51,8 +52,6 @@ _NOOP_FIELDS: dict[str, tuple] = {
     "best_of": (None, 1), "suffix": (None,), "skip_special_tokens": (True,),
     "spaces_between_special_tokens": (True,), "use_beam_search": (False,),
     "length_penalty": (1, 1.0), "prompt_logprobs": (None,), "add_special_tokens": (True,),
-    "tools": (None, []),
-    "tool_choice": (None, "none"), "parallel_tool_calls": (None, False),
     "truncate_prompt_tokens": (None,), "priority": (0,),
 }
 _FREE_FIELDS = {"user", "request_id", "metadata", "store", "service_tier"}   # informational
@@ -88,6 +87,14 @@ class SamplingRequest:
     penalties: Penalties = Penalties()   # as sent (the engine checks the ranges)
     min_p: Any = 0.0
     structured: GrammarSpec | None = None   # response_format / structured_outputs
+    tools: ToolRequest | None = None        # chat: tools and tool_choice
+    template_kwargs: dict = dataclasses.field(default_factory=dict)  # chat_template_kwargs
+
+
+    @classmethod
+    def plain(cls) -> "SamplingRequest":
+        """A request with every field at its default (what /tokenize renders a chat with)."""
+        return parse_chat({"messages": [{"role": "user", "content": ""}]})[0]
 
 
 def parse_json(raw: bytes) -> dict:
@@ -276,7 +283,9 @@ COMPLETION_FIELDS = _SAMPLING | {"prompt", "max_tokens", "kv_transfer_params", "
                                  "echo"}
 CHAT_FIELDS = _SAMPLING | {"messages", "max_tokens", "max_completion_tokens",
                            "add_generation_prompt", "chat_template_kwargs", "logprobs",
-                           "top_logprobs"}
+                           "top_logprobs", "tools", "tool_choice", "parallel_tool_calls",
+                           "reasoning_effort"}
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")
 NOOP_FIELDS, FREE_FIELDS = _NOOP_FIELDS, _FREE_FIELDS
 
 
@@ -320,9 +329,24 @@ def parse_chat(body: dict) -> tuple[SamplingRequest, list[dict], bool]:
     add_gen = body.get("add_generation_prompt", True)
     if not isinstance(add_gen, bool):
         raise bad("add_generation_prompt", "allowed true or false")
-    if body.get("chat_template_kwargs") not in (None, {}):
-        raise bad("chat_template_kwargs", "not supported by jlco (allowed: {} or leave it out)")
+    kwargs = _or_default(body.get("chat_template_kwargs"), {})
+    if not isinstance(kwargs, dict):
+        raise bad("chat_template_kwargs", "allowed an object (the chat template's variables)")
+    effort = body.get("reasoning_effort")
+    if effort is not None:
+        if effort not in REASONING_EFFORTS:
+            raise bad("reasoning_effort", f"allowed one of {REASONING_EFFORTS}")
+        kwargs = {"thinking": effort != "none", **kwargs}
     common = _common(body, CHAT_FIELDS)
+    try:
+        tools = read_tools(body)
+    except FieldError as err:
+        raise bad(err.field, str(err)) from None
+    if tools is not None and tools.forced:
+        if common["structured"] is not None:
+            raise bad("tool_choice", "a forced tool call cannot also take response_format "
+                                     "or structured_outputs")
+        common["structured"] = tools.grammar()
     max_tokens = _max_tokens(body, "max_completion_tokens", None) or \
         _max_tokens(body, "max_tokens", None)
     top = int_field(body, "top_logprobs", None, 0, MAX_LOGPROBS)
@@ -330,7 +354,7 @@ def parse_chat(body: dict) -> tuple[SamplingRequest, list[dict], bool]:
         raise bad("top_logprobs", "needs logprobs: true")
     logprobs = (top or 0) if _flag(body, "logprobs") else None
     req = SamplingRequest(prompt_text=None, prompt_ids=None, max_tokens=max_tokens,
-                          logprobs=logprobs, **common)
+                          logprobs=logprobs, tools=tools, template_kwargs=kwargs, **common)
     return req, msgs, add_gen
 
 
@@ -350,10 +374,27 @@ def parse_messages(msgs: Any) -> list[dict]:
                 raise bad(f"messages[{i}].content", "allowed a string or a list of "
                                                     "{\"type\": \"text\", \"text\"} parts")
             m = dict(m, content="".join(p["text"] for p in content))
+        elif content is None and m.get("tool_calls"):
+            pass                            # an assistant turn that only called tools
         elif not isinstance(content, str):
             raise bad(f"messages[{i}].content", "required: a string")
+        _check_calls(m.get("tool_calls"), i)
         out.append(dict(m))
     return out
+
+
+def _check_calls(calls: Any, i: int) -> None:
+    """An assistant message's `tool_calls`: [{"id", "type": "function", "function":
+    {"name", "arguments": JSON text}}]."""
+    if calls is None:
+        return
+    ok = isinstance(calls, list) and all(
+        isinstance(c, dict) and isinstance(c.get("function"), dict)
+        and isinstance(c["function"].get("name"), str)
+        and isinstance(c["function"].get("arguments"), str) for c in calls)
+    if not ok:
+        raise bad(f"messages[{i}].tool_calls", "allowed a list of {\"id\", \"type\": "
+                  "\"function\", \"function\": {\"name\", \"arguments\": str}}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -40,6 +40,7 @@ class Choice:
     gen: Any
     drop: bool          # max_tokens 0 with echo: the one generated token is not returned
     abandon: Any = None  # () -> None: abort the request unless it ended (idempotent)
+    shaper: Any = None   # chat: its assistant message (`jlco.server.assistant.Shaper`)
 
 
 def _abandon_all(choices: list[Choice]) -> None:
@@ -74,18 +75,39 @@ def _choice(c: Choice, p: SamplingRequest, state, piece: Piece, chat: bool, *,
     prompt part, with echo, is already out (a streamed response's first piece carries it)."""
     out: dict[str, Any] = {"index": c.index}
     ids, text = ([], "") if c.drop else (piece.token_ids, piece.text)
+    finish = piece.finish_reason
     if chat:
-        out["delta" if delta else "message"] = {"role": "assistant", "content": text}
+        out["delta" if delta else "message"] = _message(c.shaper, text, finish, delta)
+        if finish == "stop" and c.shaper.tool_calls_seen:
+            finish = "tool_calls"
         if p.logprobs is not None:
             out["logprobs"] = chat_logprobs(state.codec, c.req, piece.start, ids, p.logprobs)
     else:
         out["text"] = text
         out["logprobs"] = None if logprobs is None else logprobs.generated(c.req, piece.start,
                                                                            ids)
-    out["finish_reason"] = piece.finish_reason
+    out["finish_reason"] = finish
     out["stop_reason"] = piece.stop_reason
     if p.return_token_ids:
         out["token_ids"] = ids
+    return out
+
+
+def _message(shaper, text: str, finish: str | None, delta: bool) -> dict:
+    """A chat choice's message, or its delta: this piece's deltas from the shaper (and
+    its last ones when the choice ends) merged into one."""
+    if not delta:
+        return shaper.message(text)
+    parts = shaper.feed(text) + (shaper.finish() if finish is not None else [])
+    out: dict[str, Any] = {"role": "assistant", "content": ""}
+    for d in parts:
+        for key, v in d.items():
+            if key == "tool_calls":
+                out.setdefault("tool_calls", []).extend(v)
+            elif key in ("content", "reasoning_content"):
+                out[key] = (out.get(key) or "") + v
+    if "tool_calls" in out and not out["content"]:
+        out["content"] = None
     return out
 
 

@@ -89,7 +89,17 @@ class ChatBody(_Sampling):
     add_generation_prompt: Optional[bool] = None
     logprobs: Optional[bool] = None
     top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
-    chat_template_kwargs: Optional[dict] = Field(None, description="only {} (or leave it out)")
+    chat_template_kwargs: Optional[dict] = Field(None, description="the chat template's "
+                                                 "variables (e.g. {\"thinking\": true})")
+    tools: Optional[list[dict]] = Field(None, description="[{\"type\": \"function\", "
+                                        "\"function\": {\"name\", \"description\", "
+                                        "\"parameters\"}}]")
+    tool_choice: Union[str, dict, None] = Field(None, description="none, auto, required, "
+                                                "or {\"type\": \"function\", \"function\": "
+                                                "{\"name\"}}")
+    parallel_tool_calls: Optional[bool] = None
+    reasoning_effort: Optional[str] = Field(None, description="none turns thinking off, "
+                                            "any other effort on")
 
 
 class TokenizeBody(BaseModel):

@@ -30,6 +30,12 @@ class ServerState:
     _rng: secrets.SystemRandom = dataclasses.field(default_factory=secrets.SystemRandom)
     _grammars: Any = None
 
+    @property
+    def model_type(self) -> str:
+        """The served checkpoint family (its chat encoding and output parsers)."""
+        cfg = getattr(self.engine, "cfg", None)
+        return getattr(getattr(cfg, "model", None), "model_type", "deepseek_v32")
+
     def grammars(self) -> Grammars:
         """Structured outputs over the served tokenizer (built on first use)."""
         if self.codec is None:

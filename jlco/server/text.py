@@ -158,8 +158,12 @@ class TextCodec:
 
 # The demo model's chat template (it has no checkpoint to carry one): one "role: content"
 # line per message, then "assistant: " when a reply is to follow.
-PLAIN_CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n"
-                       "{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}")
+PLAIN_CHAT_TEMPLATE = (
+    "{% if tools %}tools: {{ tools | tojson }}{{ '\\n' }}{% endif %}"
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] or '' }}"
+    "{% for c in m['tool_calls'] or [] %} [call {{ c['function']['name'] }} "
+    "{{ c['function']['arguments'] }}]{% endfor %}{{ '\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}")
 
 
 def _byte_alphabet() -> dict[int, str]:
@@ -407,17 +411,19 @@ def _compile(template: str) -> jinja2.Template:
 
 
 def render_chat(template: str, messages: list[dict], *, add_generation_prompt: bool = True,
-                bos_token: str = "", eos_token: str = "") -> str:
+                bos_token: str = "", eos_token: str = "", tools: list | None = None,
+                **kwargs) -> str:
     """`messages` rendered by Hugging Face chat `template` as transformers'
-    `apply_chat_template(..., tokenize=False)` does (tools and documents None). Bad
-    messages, a template that does not parse, or one that fails (its `raise_exception`
-    included) are ValueErrors."""
+    `apply_chat_template(..., tokenize=False)` does (`tools` the request's, documents
+    None, `kwargs` the request's chat_template_kwargs). Bad messages, a template that
+    does not parse, or one that fails (its `raise_exception` included) are ValueErrors."""
     _check_messages(messages)
     compiled = _compile(template)
     try:
-        return compiled.render(messages=[dict(m) for m in messages], tools=None,
-                               documents=None, add_generation_prompt=add_generation_prompt,
-                               bos_token=bos_token, eos_token=eos_token)
+        return compiled.render(**{**kwargs, "messages": [dict(m) for m in messages],
+                                  "tools": tools or None, "documents": None,
+                                  "add_generation_prompt": add_generation_prompt,
+                                  "bos_token": bos_token, "eos_token": eos_token})
     except ValueError:
         raise                   # raise_exception(...): the template's own message
     except Exception as err:   # noqa: BLE001 (any failure inside a template is its error)
@@ -434,5 +440,6 @@ def _check_messages(messages: Any) -> None:
                              "object")
         if not isinstance(m.get("role"), str) or not m["role"]:
             raise ValueError(f"messages[{i}].role is invalid: allowed a non-empty string")
-        if not isinstance(m.get("content"), str):
+        if not isinstance(m.get("content"), str) and not (m.get("content") is None
+                                                          and m.get("tool_calls")):
             raise ValueError(f"messages[{i}].content is invalid: allowed a string")

@@ -22,7 +22,9 @@ EXAMPLES = {"model": "m", "temperature": 0.5, "top_p": 0.9, "top_k": 4, "seed": 
             "service_tier": "auto", "presence_penalty": 0.5, "frequency_penalty": -0.5,
             "repetition_penalty": 1.2, "min_p": 0.1, "min_tokens": 1,
             "logit_bias": {"3": -1.5}, "response_format": {"type": "json_object"},
-            "structured_outputs": {"regex": "[a-z]+"}}
+            "structured_outputs": {"regex": "[a-z]+"},
+            "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto",
+            "parallel_tool_calls": True, "reasoning_effort": "low"}
 
 
 def _example(model, name):
