@@ -55,6 +55,10 @@ class Shaper:
     """Plain text: every piece is content."""
     tool_calls_seen = False
 
+    def reasoning_tokens(self, token_ids) -> int:
+        """Generated tokens inside the thinking block (usage's reasoning_tokens)."""
+        return 0
+
     def feed(self, text: str) -> list[dict]:
         return [{"content": text}] if text else []
 
@@ -134,8 +138,17 @@ class RequiredShaper(Shaper):
 class ParsedShaper(Shaper):
     """The model's own syntax: thinking to reasoning_content, its tool calls parsed."""
 
-    def __init__(self, model_type: str, prompt: str, tools):
+    def __init__(self, model_type: str, prompt: str, tools, codec=None):
         self.out = ChatOutput(model_type, prompt, tools)
+        self.opens = reasoning.prompt_opens_thinking(prompt)
+        tok = getattr(codec, "tokenizer", None)
+        self.delims = None if tok is None else (tok.token_to_id(reasoning.THINK_START),
+                                                tok.token_to_id(reasoning.THINK_END))
+
+    def reasoning_tokens(self, token_ids) -> int:
+        if self.delims is None or None in self.delims:
+            return 0
+        return reasoning.count_reasoning_tokens(token_ids, *self.delims, self.opens)
 
     @property
     def tool_calls_seen(self) -> bool:
@@ -151,8 +164,9 @@ class ParsedShaper(Shaper):
         return self.out.message(text)
 
 
-def shaper_for(p: SamplingRequest, model_type: str, prompt: str) -> Shaper:
-    """The shaper of one chat choice."""
+def shaper_for(p: SamplingRequest, model_type: str, prompt: str, codec=None) -> Shaper:
+    """The shaper of one chat choice (`codec`: the served tokenizer, for the thinking
+    delimiters' ids)."""
     t = p.tools
     if t is not None and t.named is not None:
         return NamedShaper(t.named)
@@ -161,7 +175,8 @@ def shaper_for(p: SamplingRequest, model_type: str, prompt: str) -> Shaper:
     thinking = reasoning.prompt_opens_thinking(prompt)
     if (t is not None and t.choice == "auto") or thinking:
         try:
-            return ParsedShaper(model_type, prompt, None if t is None else list(t.tools))
+            return ParsedShaper(model_type, prompt, None if t is None else list(t.tools),
+                                codec)
         except ValueError:      # a family without a parser: its text is content
             return Shaper()
     return Shaper()

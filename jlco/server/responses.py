@@ -61,6 +61,9 @@ def usage(choices: list[Choice], n: int) -> dict:
     u = {"prompt_tokens": prompt, "completion_tokens": completion,
          "total_tokens": prompt + completion,
          "prompt_tokens_details": {"cached_tokens": sum(c.req.cached_tokens for c in firsts)}}
+    if any(c.shaper is not None for c in choices):
+        u["completion_tokens_details"] = {"reasoning_tokens": sum(
+            c.shaper.reasoning_tokens(c.req.tokens) for c in choices if c.shaper is not None)}
     drafted = sum(c.req.num_drafted for c in choices)
     if drafted:
         accepted = sum(c.req.num_accepted for c in choices)
