@@ -136,3 +136,28 @@ def test_shared_layer_with_indexer_tensors_is_refused(ckpts, tmp_path):
     with pytest.raises(CheckpointError, match=r"unknown tensor 'model\.layers\.3\.self_attn"
                                               r"\.indexer\."):
         open_hf_checkpoint(d)
+
+
+def test_layer_patterns_survive_the_orbax_manifest():
+    """A converted checkpoint's manifest stores the config as JSON (tuples become lists):
+    read back, it is the same config."""
+    from jlco.checkpoint.load import _config_from_json, _config_to_json
+    for m in (GLM, dataclasses.replace(GLM, mlp_layer_types=("dense", "sparse", "dense",
+                                                             "sparse"))):
+        d = json.loads(json.dumps(_config_to_json(m)))
+        assert isinstance(d["indexer_types"], list)
+        assert _config_from_json(d, "manifest") == m
+
+
+def test_deepseek_config_reads_as_before(ckpts):
+    """transformers writes mlp_layer_types for DeepseekV32 too; the first_k_dense_replace
+    pattern reads as None (no pattern), and deepseek_v32 takes no GLM defaults."""
+    from jlco.config import ModelConfig
+    d = json.loads((ckpts["single"][0] / "config.json").read_text())
+    d = {k: v for k, v in d.items() if k != "indexer_types"} | {
+        "model_type": "deepseek_v32", "n_group": 4, "topk_group": 2}
+    m = ModelConfig.from_hf_dict(d)
+    assert (m.model_type, m.mlp_layer_types, m.indexer_types) == ("deepseek_v32", None, None)
+    assert not m.indexer_rope_interleaved and (m.n_group, m.topk_group) == (4, 2)
+    m = ModelConfig.from_hf_dict(d | {"mlp_layer_types": ["dense", "sparse", "dense", "sparse"]})
+    assert [m.is_moe_layer(i) for i in range(5)] == [False, True, False, True, True]
