@@ -49,6 +49,12 @@ def define_flags() -> None:
     flags.DEFINE_multi_string("override", [], "section.field=value (a Python literal, or a "
                               "string), e.g. engine.max_batch_size=8; repeatable")
     flags.DEFINE_string("api_key", None, "require 'Authorization: Bearer KEY' on /v1 routes")
+    flags.DEFINE_enum("tool_call_parser", None, ["deepseek_v32", "glm_moe_dsa"],
+                      "the tool-call syntax chat's tool_choice auto parses (default: the "
+                      "checkpoint's model_type)")
+    flags.DEFINE_enum("reasoning_parser", None, ["deepseek_v32", "glm_moe_dsa"],
+                      "the thinking delimiters split into reasoning_content (default: the "
+                      "checkpoint's model_type)")
     flags.DEFINE_string("served_model_name", None, "model id in the API (default: the "
                         "checkpoint directory's name, or the config's name)")
     flags.DEFINE_enum("dtype", None, ["float32", "bfloat16", "float16"], "compute dtype")
@@ -232,7 +238,9 @@ def main(argv):
     from jlco.server.app import ServerState, create_app
     _say(choice.banner)
     state = ServerState(model_name=name, max_context_len=cfg.engine.max_context_len,
-                        api_key=FLAGS.api_key, index_topk=cfg.model.index_topk)
+                        api_key=FLAGS.api_key, index_topk=cfg.model.index_topk,
+                        tool_call_parser=FLAGS.tool_call_parser,
+                        reasoning_parser=FLAGS.reasoning_parser)
     fastapi_app = create_app(state)
     state.on_step = fastapi_app.state.metrics.observe_step
     failure: list[BaseException] = []

@@ -17,9 +17,13 @@ class ChatOutput:
     request's tools, None (or tool_choice "none") for no tool-call parsing."""
 
     def __init__(self, model_type: str, prompt: str, tools: list | None = None,
-                 id_factory: Callable[[], str] = new_call_id) -> None:
-        self._make = lambda: (reasoning_parser_for(model_type, prompt),
-                              parser_for(model_type, tools, id_factory=id_factory)
+                 id_factory: Callable[[], str] = new_call_id, *,
+                 tool_format: str | None = None, reasoning_format: str | None = None) -> None:
+        """tool_format / reasoning_format: the model_type whose syntax to parse, when it
+        is not the checkpoint's (the server's --tool_call_parser / --reasoning_parser)."""
+        tools_as, think_as = tool_format or model_type, reasoning_format or model_type
+        self._make = lambda: (reasoning_parser_for(think_as, prompt),
+                              parser_for(tools_as, tools, id_factory=id_factory)
                               if tools else None)
         self._think, self._calls = self._make()
         self.tool_calls_seen = False

@@ -286,7 +286,8 @@ async def _serve(request: Request, p: SamplingRequest, chat_text: str | None, *,
             c.abandon()
         raise
     for c in choices if chat else ():
-        c.shaper = shaper_for(p, state.model_type, chat_text, state.codec)
+        c.shaper = shaper_for(p, state.model_type, chat_text, state.codec,
+                              (state.tool_call_parser, state.reasoning_parser))
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}"
     if p.stream:
         return StreamingResponse(sse(choices, rid, p, state, chat),

@@ -138,8 +138,9 @@ class RequiredShaper(Shaper):
 class ParsedShaper(Shaper):
     """The model's own syntax: thinking to reasoning_content, its tool calls parsed."""
 
-    def __init__(self, model_type: str, prompt: str, tools, codec=None):
-        self.out = ChatOutput(model_type, prompt, tools)
+    def __init__(self, model_type: str, prompt: str, tools, codec=None, formats=(None, None)):
+        self.out = ChatOutput(model_type, prompt, tools, tool_format=formats[0],
+                              reasoning_format=formats[1])
         self.opens = reasoning.prompt_opens_thinking(prompt)
         tok = getattr(codec, "tokenizer", None)
         self.delims = None if tok is None else (tok.token_to_id(reasoning.THINK_START),
@@ -164,9 +165,11 @@ class ParsedShaper(Shaper):
         return self.out.message(text)
 
 
-def shaper_for(p: SamplingRequest, model_type: str, prompt: str, codec=None) -> Shaper:
+def shaper_for(p: SamplingRequest, model_type: str, prompt: str, codec=None,
+               formats=(None, None)) -> Shaper:
     """The shaper of one chat choice (`codec`: the served tokenizer, for the thinking
-    delimiters' ids)."""
+    delimiters' ids; `formats`: the tool-call and reasoning syntaxes when not the
+    checkpoint's)."""
     t = p.tools
     if t is not None and t.named is not None:
         return NamedShaper(t.named)
@@ -176,7 +179,7 @@ def shaper_for(p: SamplingRequest, model_type: str, prompt: str, codec=None) -> 
     if (t is not None and t.choice == "auto") or thinking:
         try:
             return ParsedShaper(model_type, prompt, None if t is None else list(t.tools),
-                                codec)
+                                codec, formats)
         except ValueError:      # a family without a parser: its text is content
             return Shaper()
     return Shaper()

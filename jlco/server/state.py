@@ -29,6 +29,8 @@ class ServerState:
     on_step: Any = None            # called with each engine step's seconds (metrics)
     _rng: secrets.SystemRandom = dataclasses.field(default_factory=secrets.SystemRandom)
     _grammars: Any = None
+    tool_call_parser: str | None = None   # a model_type whose syntax to parse (None: served)
+    reasoning_parser: str | None = None
 
     @property
     def model_type(self) -> str:

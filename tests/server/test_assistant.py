@@ -62,3 +62,14 @@ def test_deepseek_v32_without_a_template_gets_its_own_encoding():
     assert isinstance(shaper_for(p, "deepseek_v32", text), ParsedShaper)
     forced, _, _ = parse_chat(dict(body, tool_choice="required"))
     assert isinstance(shaper_for(forced, "deepseek_v32", text), RequiredShaper)
+
+
+def test_the_parser_can_be_another_familys():
+    """--tool_call_parser glm_moe_dsa on a deepseek_v32 checkpoint: GLM-5's syntax parses."""
+    p, _, _ = parse_chat({"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS})
+    text = "<tool_call>f<arg_key>a</arg_key><arg_value>1</arg_value></tool_call>"
+    glm = shaper_for(p, "deepseek_v32", "", formats=("glm_moe_dsa", None))
+    msg = glm.message(text)
+    assert msg["tool_calls"][0]["function"]["name"] == "f"
+    own = shaper_for(p, "deepseek_v32", "")
+    assert "tool_calls" not in own.message(text)
