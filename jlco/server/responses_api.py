@@ -96,7 +96,14 @@ def register(app: FastAPI, chat: Callable[[Request], Awaitable[Any]]) -> None:
     (passed in, not imported: the app module imports this one)."""
     async def responses(request: Request):
         return await create(request, chat)
-    app.post("/v1/responses", openapi_extra=schema.route_extra(ResponsesBody))(responses)
+    extra = schema.route_extra(ResponsesBody)
+    extra["responses"]["200"] = {"description": "the response object, or with stream: "
+                                 "the Responses events", "content": {
+        "application/json": {"schema": {"type": "object"}},
+        "text/event-stream": {"schema": {
+            "type": "object", "description": "one event: `event` its type, `data` its JSON",
+            "properties": {"event": {"type": "string"}, "data": {"type": "string"}}}}}}
+    app.post("/v1/responses", openapi_extra=extra)(responses)
 
 
 def _check_fields(body: dict) -> None:
@@ -111,10 +118,11 @@ def _check_fields(body: dict) -> None:
     if body.get("previous_response_id") is not None:
         raise bad("previous_response_id", "jlco keeps no stored responses: send the whole "
                                           "conversation in `input`")
-    if body.get("store") not in (None, True, False):
+    if not isinstance(body.get("store"), (bool, type(None))):
         raise bad("store", "allowed true or false (nothing is stored either way)")
     inc = body.get("include")
-    if inc is not None and (not isinstance(inc, list) or set(inc) - set(INCLUDABLE)):
+    if inc is not None and (not isinstance(inc, list) or any(
+            not isinstance(i, str) or i not in INCLUDABLE for i in inc)):
         raise bad("include", f"allowed a list of {list(INCLUDABLE)} (or leave it out)")
     opts = body.get("stream_options")
     if opts is not None and (not isinstance(opts, dict) or set(opts) - {"include_obfuscation"}):
@@ -148,7 +156,7 @@ def _item(item: Any, field: str, msgs: list[dict], origin: list[str]) -> None:
     kind = item.get("type", "message" if "role" in item else None)
     if kind == "message":
         role = item.get("role")
-        if role not in ROLES:
+        if not isinstance(role, str) or role not in ROLES:
             raise bad(f"{field}.role", f"allowed one of {sorted(ROLES)}")
         text = _text(item.get("content"), f"{field}.content",
                      ("input_text", "output_text", "text"))
@@ -217,7 +225,7 @@ def _tools(v: Any) -> list[dict] | None:
 
 
 def _tool_choice(v: Any) -> Any:
-    if v is None or isinstance(v, str):
+    if v is None or v in ("none", "auto", "required"):
         return v
     if isinstance(v, dict) and v.get("type") == "function" and set(v) == {"type", "name"}:
         return {"type": "function", "function": {"name": v["name"]}}

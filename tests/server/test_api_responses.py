@@ -117,6 +117,10 @@ def test_a_string_input_is_one_user_message_and_unused_tool_fields_are_dropped()
     ({"input": "x", "background": True}, "background"),
     ({"input": "x", "include": ["message.output_text.logprobs"]}, "include"),
     ({"input": "x", "instructions": 3}, "instructions"),
+    ({"input": "x", "include": [{}]}, "include"),             # unhashable: still a 400
+    ({"input": [{"role": {}, "content": "x"}]}, "input[0].role"),
+    ({"input": "x", "tool_choice": "sometimes"}, "tool_choice"),
+    ({"input": "x", "store": 1}, "store"),
 ])
 def test_refusals_name_the_field(body, param):
     with pytest.raises(ApiError) as err:
