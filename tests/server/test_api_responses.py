@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import httpx
 import jsonschema
 import openai
 import pytest
-from openai.types.responses import Response
+from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
-from openai.types.responses import ResponseStreamEvent
 
 from jlco.server import responses_api
 from jlco.server.protocol import ApiError
@@ -441,3 +441,25 @@ def test_openapi_declares_the_route(server):
     assert {"input", "instructions", "tools", "text", "max_output_tokens"} <= set(props)
     assert "error" in op["responses"]["400"]["content"]["application/json"]["schema"][
         "properties"]
+
+
+def _aborted(server) -> float:
+    for line in httpx.get(f"{server.url}/metrics").text.splitlines():
+        if line.startswith('jlco_request_success_total{finished_reason="abort"}'):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def test_a_client_that_leaves_mid_stream_aborts_its_request(server):
+    """Closing the Responses stream closes the chat stream under it: the request ends
+    "abort" (its slot comes back), as on the chat route."""
+    before = _aborted(server)
+    body = {"input": "hello", "stream": True, "max_output_tokens": 400, "temperature": 0}
+    with httpx.stream("POST", f"{server.url}/v1/responses", json=body) as r:
+        lines = r.iter_lines()
+        while "response.output_text.delta" not in next(lines):
+            pass
+    deadline = time.monotonic() + 30
+    while _aborted(server) < before + 1 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _aborted(server) == before + 1
