@@ -3,6 +3,7 @@
 One engine, one batch of --batch requests decoding --new_tokens tokens each, four ways:
   free         no penalties, no constraint (the baseline);
   penalties    every row with presence, frequency and repetition penalties and a bias;
+  half_penalties  the first half of the rows so, the rest free;
   constrained  every row under a JSON-object grammar (llguidance, over the byte-level
                tokenizer, the mask padded to the model's vocabulary);
   mixed        the first half of the rows penalised, the second constrained, and (with
@@ -31,7 +32,7 @@ from absl import app, flags
 
 FLAGS = flags.FLAGS
 REPO = pathlib.Path(__file__).resolve().parents[1]
-KINDS = ("free", "penalties", "constrained", "mixed")
+KINDS = ("free", "penalties", "half_penalties", "constrained", "mixed")
 
 
 def define_flags() -> None:
@@ -63,6 +64,8 @@ def _timed(fn) -> float:
 
 def _way(kind: str, i: int, b: int) -> str:
     """What row i of b gets in `kind`."""
+    if kind == "half_penalties":
+        return "penalties" if i < b // 2 else "free"
     if kind != "mixed":
         return kind
     if i < b // 2:

@@ -15,9 +15,7 @@ import dataclasses
 from typing import Iterable
 
 from jlco.engine.errors import RequestError
-
-MAX_LOGIT_BIAS = 300    # biased tokens per request (OpenAI's documented cap)
-MAX_HELD_STOPS = 64     # stop token ids min_tokens holds back per request
+from jlco.util.sampling_tables import MAX_HELD_STOPS, MAX_LOGIT_BIAS  # noqa: F401 (re-exported)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -32,6 +32,7 @@ from jlco.planning import throughput as sim
 from jlco.planning.hardware import HardwareProfile
 from jlco.planning.mesh import MeshShape, host_layout
 from jlco.planning.params import WeightBytes, weight_bytes
+from jlco.util.sampling_tables import penalty_table_bytes
 
 
 def cache_layers(cfg: Config) -> int:
@@ -66,8 +67,8 @@ def per_request_bytes(cfg: Config, context: int, offload: bool,
 
     As the engine allocates a batch slot (`jlco.engine.allocation.allocate_cache`): the hot buffer
     has hot_buffer_rows rows (or `hot_rows`) whatever the context; `tables` are its int32
-    length and, offloaded, its page-table row and the hot buffer's slot position + stamp
-    per row. Indexer keys are cached by the layers that run an indexer only (a layer
+    length, its penalty tables (`util.sampling_tables`) and, offloaded, its page-table row
+    and the hot buffer's slot position + stamp per row. Indexer keys are cached by the layers that run an indexer only (a layer
     that shares its top-k, IndexShare, holds none), plus the MTP layer's."""
     layers = cache_layers(cfg)
     key_layers = cfg.model.indexer_layers + cfg.model.num_nextn_predict_layers
@@ -75,7 +76,8 @@ def per_request_bytes(cfg: Config, context: int, offload: bool,
     rows = cfg.hot_buffer_rows if hot_rows is None else hot_rows
     latent_rows = rows if offload else context
     pages = -(-context // cfg.cache.page_size)
-    tables = 4 + (4 * pages + 8 * latent_rows * layers if offload else 0)
+    tables = 4 + penalty_table_bytes(cfg.model.vocab_size) + (
+        4 * pages + 8 * latent_rows * layers if offload else 0)
     return dict(indexer=context * key_layers * cfg.indexer_key_bytes,
                 latent_device=latent_rows * layers * cfg.row_bytes, tables=tables,
                 activations=s_q * activation_bytes_per_token(cfg, context),

@@ -54,18 +54,18 @@ def test_real_model_param_count():
 def test_max_batch_and_plan_by_hand():
     # per request (context 256, 4 cache layers: 3 + the MTP layer, allocated as the engine
     # does): indexer 256*4*128 (bf16-format keys stay f32 in this f32 model), hot 64*4*576
-    # (f32 rows), tables = length 4 + page table 4*16 + slot pos/stamp 8*64*4,
-    # activations 256 + 2*4*(144+128)*2 = 4608 bytes per token
+    # (f32 rows), tables = length 4 + page table 4*16 + slot pos/stamp 8*64*4 + the penalty
+    # tables 5*512 + 8*300 + 4*64 + 17 = 5233 (util.sampling_tables), activations 256 + 2*4*(144+128)*2 = 4608 bytes per token
     pr = plan.per_request_bytes(CFG, 256, True)
-    assert pr == dict(indexer=131072, latent_device=147456, tables=2116, activations=4608,
+    assert pr == dict(indexer=131072, latent_device=147456, tables=7349, activations=4608,
                       host=589824)
-    assert plan.per_request_bytes(CFG, 256, False)["tables"] == 4
+    assert plan.per_request_bytes(CFG, 256, False)["tables"] == 4 + 5233
     free = 10_000_000 - 1_000_000 - 1_173_936
     kw = dict(ep=2, context=256, reserve_bytes=1_000_000, weight_format="bf16")
-    assert plan.max_batch(CFG, 1e7, offload=True, **kw) == free // 285252 == 27
-    assert plan.max_batch(CFG, 1e7, offload=False, **kw) == free // 725508 == 10
+    assert plan.max_batch(CFG, 1e7, offload=True, **kw) == free // 290485 == 26
+    assert plan.max_batch(CFG, 1e7, offload=False, **kw) == free // 730741 == 10
     p = plan.plan(CFG, HW, ep=2, context=256, miss_rate=0.5, weight_format="bf16")
-    assert (p.max_batch_offload, p.max_batch_no_offload, p.config_cap) == (27, 10, 4)
+    assert (p.max_batch_offload, p.max_batch_no_offload, p.config_cap) == (26, 10, 4)
     assert (p.batch_offload, p.batch_no_offload) == (4, 4)
     assert p.host_bytes_needed == pytest.approx(4 * 589824 * 1.3)
     t = p.transfer
