@@ -1,7 +1,9 @@
 """The HTTP face of the server: FastAPI routes over an `EngineLoop`.
 
-Routes: POST /v1/completions, POST /v1/chat/completions (the checkpoint's chat template;
-the demo model's plain one), POST /v1/internal/prefill and /v1/internal/prefilled (PD
+Routes: POST /v1/completions, POST /v1/chat/completions (the checkpoint's chat template,
+DeepSeek-V3.2's encoding, or the demo model's plain one; tools and structured outputs:
+`assistant`), POST /v1/responses (OpenAI's Responses API over the chat route:
+`responses_api`), POST /v1/internal/prefill and /v1/internal/prefilled (PD
 disaggregation: export a prefill as a safetensors payload; import one, claimed later by a
 completion with `kv_transfer_params`), GET /v1/models and /v1/models/{id}, POST /tokenize
 and /detokenize (vLLM's), POST /v1/reset_prefix_cache, GET /health (200 ready; 503
@@ -303,8 +305,10 @@ async def _queue(request: Request, state: ServerState, p: SamplingRequest, ids: 
     drop = p.echo and p.max_tokens == 0
     max_new = 1 if drop else _max_new_tokens(state.max_context_len, p, ids)
     stops = set(p.stop_token_ids)
-    if not p.ignore_eos and codec is not None and codec.eos_token_id is not None:
-        stops.add(codec.eos_token_id)
+    if not p.ignore_eos and codec is not None:
+        stops.update(codec.stop_token_ids)
+        if codec.eos_token_id is not None:
+            stops.add(codec.eos_token_id)
     seed = p.seed + j if p.seed is not None else state._rng.randrange(2 ** 32)
     constraint = None if p.structured is None else await _constraint(state, p.structured)
     sampling = dict(constraint=constraint, temperature=p.temperature, seed=seed % 2 ** 32,

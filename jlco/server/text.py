@@ -72,6 +72,8 @@ class TextCodec:
     eos_token_id: int | None = None
     chat_template: str | None = None
     add_bos: bool | None = None
+    # generation_config.json's eos_token_id list: every id ends a reply (GLM-5 lists several)
+    stop_token_ids: tuple[int, ...] = ()
 
     @property
     def vocab_size(self) -> int:
@@ -132,7 +134,8 @@ class TextCodec:
         if eos is None and eos_id is not None:
             eos = tok.id_to_token(eos_id)
         return cls(tok, name=str(tok_file), bos_token=bos, eos_token=eos, eos_token_id=eos_id,
-                   chat_template=_chat_template(path, cfg), add_bos=add_bos)
+                   chat_template=_chat_template(path, cfg), add_bos=add_bos,
+                   stop_token_ids=tuple(_eos_ids(path, "generation_config.json", tok)))
 
     @classmethod
     def byte_level(cls, vocab_size: int) -> TextCodec:
@@ -226,20 +229,24 @@ def _token_name(cfg: dict, field: str, where: pathlib.Path) -> str | None:
     return value
 
 
+def _eos_ids(path: pathlib.Path, name: str, tok: tokenizers.Tokenizer) -> list[int]:
+    """Every `eos_token_id` of config file `name` (an id or a list of them)."""
+    cfg = _read_json(path / name)
+    value = cfg.get("eos_token_id") if isinstance(cfg, dict) else None
+    values = [] if value is None else value if isinstance(value, list) else [value]
+    n = tok.get_vocab_size(with_added_tokens=True)
+    if not all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < n for v in values):
+        raise ValueError(f"{path / name}: eos_token_id={value!r} is invalid: allowed a "
+                         "token id of tokenizer.json (or a list of them)")
+    return values
+
+
 def _fallback_eos_id(path: pathlib.Path, tok: tokenizers.Tokenizer) -> int | None:
     """`eos_token_id` of generation_config.json, else config.json (the first of a list)."""
     for name in ("generation_config.json", "config.json"):
-        cfg = _read_json(path / name)
-        value = cfg.get("eos_token_id") if isinstance(cfg, dict) else None
-        if isinstance(value, list):
-            value = value[0] if value else None
-        if value is None:
-            continue
-        if isinstance(value, bool) or not isinstance(value, int) or not \
-                0 <= value < tok.get_vocab_size(with_added_tokens=True):
-            raise ValueError(f"{path / name}: eos_token_id={value!r} is invalid: allowed a "
-                             "token id of tokenizer.json (or a list of them)")
-        return value
+        ids = _eos_ids(path, name, tok)
+        if ids:
+            return ids[0]
     return None
 
 

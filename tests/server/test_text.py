@@ -259,11 +259,13 @@ def test_eos_fallbacks(tmp_path):
                          "config.json": {"eos_token_id": 2}})
     codec = TextCodec.from_checkpoint(tmp_path)
     assert codec.eos_token_id == 3 and codec.eos_token == ASSISTANT
+    assert codec.stop_token_ids == (3, 1)      # every listed id ends a reply
     assert codec.bos_token is None and codec.chat_template == "{{ 1 }}"
     (tmp_path / "generation_config.json").unlink()
     (tmp_path / "chat_template.jinja").write_text("{{ 2 }}")
     codec = TextCodec.from_checkpoint(tmp_path)
     assert codec.eos_token_id == 2 and codec.chat_template == "{{ 2 }}"
+    assert codec.stop_token_ids == ()
 
 
 def test_no_tokenizer_json(tmp_path):
