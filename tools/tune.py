@@ -265,6 +265,9 @@ def _render(obj, indent: int, names: set) -> str:
         return f"{cls.__name__}(\n{inner}{' ' * indent})"
     if obj is None or isinstance(obj, (bool, int, float, str)):
         return repr(obj)
+    if isinstance(obj, tuple) and all(x is None or isinstance(x, (bool, int, float, str))
+                                      for x in obj):
+        return repr(obj)     # per-layer patterns (model.indexer_types, mlp_layer_types)
     raise TypeError(f"render_config: cannot write {type(obj).__name__} value {obj!r}")
 
 
