@@ -88,7 +88,10 @@ def allocate_cache(cfg: Config) -> tuple[DecodeCache, PageAllocator | None]:
     (`jlco.model.kv_cache.data_specs`), allocated in place by one jit."""
     if parallel_data.data_size() > 1:
         return _allocate_split(cfg)
-    return _allocate(cfg)
+    cache, pages = _allocate(cfg)
+    # Committed where they are, as every step's output is: a step's first call on the
+    # fresh cache then compiles the program later calls use (jit keys on commitment).
+    return jax.device_put(cache, jax.tree.map(lambda x: x.sharding, cache)), pages
 
 
 def _allocate_split(cfg: Config) -> tuple[DecodeCache, PageAllocator | None]:

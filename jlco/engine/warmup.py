@@ -95,17 +95,21 @@ def compile_all(runner, progress: Callable[[int, int, str], None] | None = None)
     s_q = 1 + cfg.engine.num_draft_tokens
     scans = decode_scans(runner.max_len, s_q)
     total, t0 = len(pieces) + len(scans), time.perf_counter()
-    for i, p in enumerate(pieces):
-        compile_piece(runner, p.width, p.scan, p.record)
+    # Largest first: a program's compile scratch and first run are the warm-up's peak
+    # memory, lowest while few programs are resident yet (the process's VmHWM).
+    for i, s in enumerate(reversed(scans)):
+        compile_decode(runner, s)
         release_free_memory()   # each compile leaves ~200 MB free in malloc's arenas
         if progress is not None:
-            progress(i + 1, total, f"prefill width {p.width}, scan {p.scan or 'all'}"
-                                   f"{', record' if p.record else ''}")
-    for i, s in enumerate(scans):
-        compile_decode(runner, s)
+            progress(i + 1, total, f"decode scan {s or 'all'}")
+    by_size = sorted(pieces, key=lambda p: (p.width, p.scan or runner.max_len, p.record),
+                     reverse=True)
+    for i, p in enumerate(by_size):
+        compile_piece(runner, p.width, p.scan, p.record)
         release_free_memory()
         if progress is not None:
-            progress(len(pieces) + i + 1, total, f"decode scan {s or 'all'}")
+            progress(len(scans) + i + 1, total, f"prefill width {p.width}, scan "
+                                                f"{p.scan or 'all'}{', record' if p.record else ''}")
     return {"prefill_shapes": len(pieces), "decode_shapes": len(scans),
             "seconds": time.perf_counter() - t0}
 

@@ -28,7 +28,7 @@ def _validate(*args, timeout=300):
 @pytest.mark.slow
 def test_config_run_passes_and_writes_reports(tmp_path):
     """Both servers started here: baseline, then offload on at batch 4 for the greedy
-    prompts and restarted at its budget batch (17) for the load."""
+    prompts and restarted at its budget batch (16, the penalty tables counted) for the load."""
     proc = _validate("--config=configs/tiny.py", *SMALL, f"--out={tmp_path}", "--json")
     assert proc.returncode == 0, proc.stderr[-3000:]
     rep = json.loads(proc.stdout)
@@ -43,14 +43,14 @@ def test_config_run_passes_and_writes_reports(tmp_path):
     for r in rows:
         assert r["equal"] and r["offload_ids"] == r["baseline_ids"] and len(r["offload_ids"]) == 6
     sides = rep["benefit"]["sides"]
-    assert (sides["offload"]["batch"], sides["baseline"]["batch"]) == (17, 4)
+    assert (sides["offload"]["batch"], sides["baseline"]["batch"]) == (16, 4)
     for s in sides.values():
         assert (s["completed"], s["errors"], s["output_tokens"]) == (4, 0, 32)
     assert rep["benefit"]["ratio"]["output_tokens_per_s"] == pytest.approx(
         sides["offload"]["output_tokens_per_s"] / sides["baseline"]["output_tokens_per_s"])
     stab = {(s["side"], s["batch"]): s for s in rep["stability"]}
-    assert set(stab) == {("baseline", 4), ("offload", 4), ("offload", 17)}
-    assert stab[("offload", 4)]["phases"] == ["check"] and stab[("offload", 17)]["phases"] == ["load"]
+    assert set(stab) == {("baseline", 4), ("offload", 4), ("offload", 16)}
+    assert stab[("offload", 4)]["phases"] == ["check"] and stab[("offload", 16)]["phases"] == ["load"]
     for s in stab.values():
         assert s["failures"] == [] and s["invariant_violations"] == [] and s["scrapes"] >= 2
         rss = s["metrics"]["process_resident_memory_bytes"]
@@ -61,7 +61,7 @@ def test_config_run_passes_and_writes_reports(tmp_path):
     for k in ("baseline", "offload"):
         assert all(s["exit"] in (0, None) for s in rep["servers"][k])
     log = (tmp_path / "server_offload.log").read_text()
-    assert log.count("ready: http://") == 2 and "(batch 17," in log
+    assert log.count("ready: http://") == 2 and "(batch 16," in log
 
 
 @pytest.fixture(scope="module")

@@ -99,18 +99,18 @@ def test_bad_input_is_one_line(args, needle, tmp_path):
 @pytest.mark.slow
 def test_started_server_at_its_budget_batch(tmp_path):
     """--config starts the server here; --batch_from_budget restarts it at the largest
-    batch its banner plans for the device budget (tiny, offload on: 17), then SIGTERM."""
+    batch its banner plans for the device budget (tiny, offload on: 16), then SIGTERM."""
     proc = _bench("--config=configs/tiny.py", "--offload", "--batch_from_budget",
                   "--num_clients=2", "--num_requests=2", "--prompt_len=20", "--max_tokens=2",
                   f"--out={tmp_path}")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "restarting server (offload on) at batch 17" in proc.stderr
+    assert "restarting server (offload on) at batch 16" in proc.stderr
     (run,) = json.loads((tmp_path / "bench_serve.json").read_text())["runs"]
     assert run["started_here"] and run["offload"] is True and run["server_exit"] == 0
-    assert run["server_batch"] == 17 and run["completed"] == 2
+    assert run["server_batch"] == 16 and run["completed"] == 2
     assert any("device budget 0.008 GB (--device_budget_gb)" in ln for ln in run["server_memory"])
     log = (tmp_path / "server_offload_on.log").read_text()   # both servers' stderr
-    assert log.count("ready: http://") == 2 and "(batch 17," in log
+    assert log.count("ready: http://") == 2 and "(batch 16," in log
     assert "0.008 GB (what offload off needs at batch 4" in log
 
 
