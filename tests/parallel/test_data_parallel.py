@@ -5,7 +5,8 @@ The scheduler and page pools run in-process (plain Python). The engine runs in a
 subprocess with 4 CPU devices (jax fixes its device count when it starts): the tiny
 model on a data=2 x expert=2 mesh, offloaded, 4 slots (2 per rank), 6 requests of
 different lengths (slots and pages reused mid-run, prompts longer than the hot buffer so
-rows really move), greedy and sampled, against the same engine without a mesh.
+rows really move), greedy and sampled, half of them with penalties (each rank seats and
+counts its own slots' tables), against the same engine without a mesh.
 """
 
 from __future__ import annotations
@@ -95,7 +96,11 @@ _SCRIPT = textwrap.dedent("""
     from jax.sharding import PartitionSpec
     from tests.support.engine_workload import BASE, make_model, make_prompts
     from jlco.engine.core import Engine
+    from jlco.engine.penalties import Penalties
     from jlco.parallel.mesh import check_mesh, make_mesh, shard_model
+
+    RULES = Penalties(presence=0.5, frequency=0.3, repetition=1.3, min_tokens=2,
+                      logit_bias=((7, 2.0), (3, 1.5)))
 
     LENS, NEW = (70, 5, 90, 40, 120, 33), (6, 9, 5, 7, 4, 8)
     TEMPS = (0.0, 0.8, 0.0, 1.0, 0.0, 0.7)
@@ -106,7 +111,9 @@ _SCRIPT = textwrap.dedent("""
             shard_model(model, mesh)
         with jax.set_mesh(mesh) if mesh is not None else __import__("contextlib").nullcontext():
             eng = Engine(cfg, model)
-            reqs = [eng.submit(p, n, temperature=t, seed=11 + i) for i, (p, n, t) in
+            # every other request with penalties, a bias and min_tokens (tables per rank)
+            reqs = [eng.submit(p, n, temperature=t, seed=11 + i, stop_token_ids=[3],
+                               penalties=RULES if i % 2 else None) for i, (p, n, t) in
                     enumerate(zip(make_prompts(LENS), NEW, TEMPS))]
             local = None
             while eng.has_work:
