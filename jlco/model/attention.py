@@ -61,23 +61,38 @@ def sparse_mla_dense(q, rows, positions, softmax_scale, *, kv_format, d_rope):
         kv = kv.reshape(b, t, -1)                                            # [b,t,c+r]
         d_nope = kv.shape[-1] - d_rope
         s_q = positions.shape[1]
-        bi = jnp.arange(b)[:, None, None]
-        si = jnp.arange(s_q)[None, :, None]
-        sel = jnp.zeros((b, s_q, t), bool).at[bi, si, jnp.where(positions >= 0, positions, t)
-                                              ].set(True, mode="drop")     # [b,s,t]
-        logits = jnp.einsum("bshd,btd->bsht", q.astype(jnp.float32), kv) * softmax_scale
-        logits = jnp.where(sel[:, :, None, :], logits, -jnp.inf)
-        m = jnp.max(logits, axis=-1, keepdims=True)
-        p = jnp.exp(logits - jnp.where(jnp.isfinite(m), m, 0.0))
-        denom = jnp.sum(p, axis=-1)
-        # Full row width, then slice the output (slicing kv copies it on XLA:CPU).
-        out = jnp.einsum("bsht,btd->bshd", p, kv)[..., :d_nope]
-        empty = denom == 0
-        out = jnp.where(empty[..., None], 0.0, out / jnp.where(empty, 1.0, denom)[..., None])
-        return out.astype(q.dtype)
+        tile = DENSE_TILE_S if s_q > DENSE_TILE_S and s_q % DENSE_TILE_S == 0 else s_q
+
+        def rows_of(args):          # one tile of queries: q [b,w,h,c+r], positions [b,w,k]
+            qt, pt = args
+            w = pt.shape[1]
+            bi = jnp.arange(b)[:, None, None]
+            si = jnp.arange(w)[None, :, None]
+            sel = jnp.zeros((b, w, t), bool).at[bi, si, jnp.where(pt >= 0, pt, t)
+                                                ].set(True, mode="drop")   # [b,w,t]
+            logits = jnp.einsum("bshd,btd->bsht", qt.astype(jnp.float32), kv) * softmax_scale
+            logits = jnp.where(sel[:, :, None, :], logits, -jnp.inf)
+            m = jnp.max(logits, axis=-1, keepdims=True)
+            p = jnp.exp(logits - jnp.where(jnp.isfinite(m), m, 0.0))
+            denom = jnp.sum(p, axis=-1)
+            # Full row width, then slice the output (slicing kv copies it on XLA:CPU).
+            out = jnp.einsum("bsht,btd->bshd", p, kv)[..., :d_nope]
+            empty = denom == 0
+            return jnp.where(empty[..., None], 0.0,
+                             out / jnp.where(empty, 1.0, denom)[..., None]).astype(q.dtype)
+
+        if tile == s_q:
+            return rows_of((q, positions))
+        # A tile of queries at a time: the [b, s, h, t] scores of a whole 4,096-query
+        # chunk were the prefill's largest transient (the serve process's peak RSS).
+        n = s_q // tile
+        split = lambda x: jnp.moveaxis(x.reshape(b, n, tile, *x.shape[2:]), 1, 0)  # noqa: E731
+        out = jax.lax.map(rows_of, (split(q), split(positions)))               # [n,b,w,h,c]
+        return jnp.moveaxis(out, 0, 1).reshape(b, s_q, *out.shape[3:])
 
 
 DENSE_MAX_T = 4096    # cached positions up to which a prefill chunk attends densely
+DENSE_TILE_S = 512    # queries a dense chunk scores at once (its [b, w, h, t] transient)
 DENSE_MIN_S = 16      # query tokens from which it does (speculative steps have s <= 8)
 
 
