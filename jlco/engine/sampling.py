@@ -60,9 +60,11 @@ class SlotSampling:
         `.slot`), counts default len(request.tokens); constrained requests' masks as
         their constraints stand now."""
         slots = [r.slot for r in requests] if slots is None else slots
-        out = dataclasses.replace(cls.empty(batch, vocab), **dict(zip(
-            ("constrained", "allowed"), constraint.host_masks(
-                [getattr(r, "constraint", None) for r in requests], batch, vocab, slots))))
+        out = cls.empty(batch, vocab)
+        held = [getattr(r, "constraint", None) for r in requests]
+        if any(c is not None for c in held):     # else empty()'s zero masks stand
+            on, allowed = constraint.host_masks(held, batch, vocab, slots)
+            out = dataclasses.replace(out, constrained=on, allowed=allowed)
         for i, (r, s) in enumerate(zip(requests, slots)):
             out.temps[s], out.top_ps[s], out.top_ks[s] = r.temperature, r.top_p, r.top_k
             out.seeds[s] = r.seed
@@ -199,8 +201,8 @@ def first_token(logits, request) -> tuple[int, float, list[tuple[int, float]]]:
     """A request's token number 0 from the logits [1, V] at its last prompt position,
     after its penalties (the prompt's tokens for the repetition penalty, the bias,
     min_tokens) → (token, log-prob, its `request.top_logprobs` alternatives)."""
-    seen = penalize.SeenTokens.row(logits.shape[-1], request.prompt, (),
-                                   request.penalties, request.stop_token_ids)
+    v = logits.shape[-1]
+    seen = penalize.SeenTokens.of_request(v, request, ()) or penalize.no_penalties(v)
     sampling = SlotSampling.from_requests([request], 1, logits.shape[-1], slots=[0], counts=[0])
     tok, (logp, ids, lps) = sample_first(logits.astype(jnp.float32), sampling, seen)
     k = request.top_logprobs

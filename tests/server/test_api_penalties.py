@@ -10,24 +10,14 @@ from __future__ import annotations
 import concurrent.futures
 
 import httpx
-import openai
 import pytest
-from tests.support.server import TINY_OFFLOAD, ServerProcess
+from tests.support.server import TINY_OFFLOAD, server_fixtures
 
 PROMPT = [(5 * i + 2) % 250 for i in range(48)]
 IDS = {"return_token_ids": True}
 
 
-@pytest.fixture(scope="module")
-def server():
-    srv = ServerProcess(*TINY_OFFLOAD)
-    yield srv
-    assert srv.stop() == 0
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+server, client = server_fixtures(*TINY_OFFLOAD)
 
 
 def _ids(client, max_tokens=6, **kw):

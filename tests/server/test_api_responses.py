@@ -22,7 +22,7 @@ from pydantic import TypeAdapter
 from jlco.server import responses_api
 from jlco.server.protocol import ApiError
 from jlco.server.responses_events import EventStream, events, from_chat
-from tests.support.server import TINY_OFFLOAD, ServerProcess
+from tests.support.server import TINY_OFFLOAD, server_fixtures
 
 ECHO = responses_api._echo({"model": "m"})
 TOOL = {"type": "function", "name": "get_weather", "description": "weather of a city",
@@ -290,16 +290,7 @@ def test_an_empty_stream_still_says_something():
 
 # -- through the openai client against a real server -----------------------------------
 
-@pytest.fixture(scope="module")
-def server():
-    srv = ServerProcess(*TINY_OFFLOAD)
-    yield srv
-    assert srv.stop() == 0
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+server, client = server_fixtures(*TINY_OFFLOAD)
 
 
 GREEDY = dict(temperature=0, max_output_tokens=12)

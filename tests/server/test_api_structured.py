@@ -13,9 +13,8 @@ import re
 
 import httpx
 import jsonschema
-import openai
 import pytest
-from tests.support.server import TINY_OFFLOAD, ServerProcess
+from tests.support.server import TINY_OFFLOAD, server_fixtures
 
 SCHEMAS = {
     "nested": {"type": "object", "properties": {
@@ -36,17 +35,8 @@ SCHEMAS = {
 MSG = [{"role": "user", "content": "give me JSON"}]
 
 
-@pytest.fixture(scope="module")
-def server():
-    # room for json_object's unbounded strings at temperature 1
-    srv = ServerProcess(*TINY_OFFLOAD, "--override", "engine.max_context_len=2048")
-    yield srv
-    assert srv.stop() == 0
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+# room for json_object's unbounded strings at temperature 1
+server, client = server_fixtures(*TINY_OFFLOAD, "--override", "engine.max_context_len=2048")
 
 
 def _fmt(name):

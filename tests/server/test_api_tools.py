@@ -12,9 +12,8 @@ import json
 
 import httpx
 import jsonschema
-import openai
 import pytest
-from tests.support.server import TINY_OFFLOAD, ServerProcess
+from tests.support.server import TINY_OFFLOAD, server_fixtures
 
 WEATHER = {"type": "object", "properties": {
     "city": {"type": "string", "maxLength": 12},
@@ -29,16 +28,7 @@ SCHEMAS = {"weather": WEATHER, "clock": CLOCK}
 MSG = [{"role": "user", "content": "weather in Paris?"}]
 
 
-@pytest.fixture(scope="module")
-def server():
-    srv = ServerProcess(*TINY_OFFLOAD, "--override", "engine.max_context_len=2048")
-    yield srv
-    assert srv.stop() == 0
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+server, client = server_fixtures(*TINY_OFFLOAD, "--override", "engine.max_context_len=2048")
 
 
 def _check(calls, allowed=("weather", "clock")):

@@ -74,3 +74,22 @@ class ServerProcess:
             code = self.proc.wait()
         time.sleep(0.1)   # let the reader thread take the last lines
         return code
+
+
+def server_fixtures(*args: str):
+    """Module-scoped `server` (`ServerProcess(*args)`, stopped cleanly at the end) and
+    `client` (the `openai` client on it) fixtures: `server, client = server_fixtures(...)`
+    at a test module's top level."""
+    import pytest
+
+    @pytest.fixture(scope="module")
+    def server():
+        srv = ServerProcess(*args)
+        yield srv
+        assert srv.stop() == 0
+
+    @pytest.fixture(scope="module")
+    def client(server):
+        import openai
+        return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    return server, client
