@@ -77,13 +77,15 @@ class Experts(nnx.Module):
         expert's weights into another layout. There, every expert runs over the n tokens
         straight from the stored weights and a combine matrix [n, E] keeps the chosen
         ones (measured at E 16, k 4, d 512: 2.1 vs 4.0 ms at n = 4, 345 vs 1086 ms at
-        n = 2048)."""
+        n = 2048). When the n·k assignments are at most half the experts (decode at small
+        batch), only the chosen experts' weights are read: each assignment slices its
+        expert in place (E 16, k 2, d 512, batch 1: 0.40 vs 0.89 ms per layer)."""
         with jax.named_scope("experts"):
             if expert_parallel.parallel_size() > 1:
                 return expert_parallel.experts_parallel(
                     x, w, ids, self.gate_proj[...], self.up_proj[...], self.down_proj[...])
-            return jax.lax.platform_dependent(x, w, ids, cpu=self._dense,
-                                              default=self._grouped)
+            cpu = self._picked if ids.size * 2 <= self.gate_proj.shape[0] else self._dense
+            return jax.lax.platform_dependent(x, w, ids, cpu=cpu, default=self._grouped)
 
     def _grouped(self, x, w, ids):
         n, k = ids.shape
@@ -98,6 +100,20 @@ class Experts(nnx.Module):
         ys = jax.lax.ragged_dot(hid, self.down_proj[...], sizes).astype(jnp.float32)
         ys = ys * w.reshape(-1)[order][:, None]
         return jnp.zeros((n, x.shape[-1]), jnp.float32).at[token].add(ys).astype(x.dtype)
+
+    def _picked(self, x, w, ids):
+        n, k = ids.shape
+        flat = ids.reshape(-1)
+        xs = jnp.repeat(x.astype(self.gate_proj.dtype), k, axis=0)
+
+        def one(a):
+            g, u, d = (jax.lax.dynamic_index_in_dim(p[...], flat[a], keepdims=False)
+                       for p in (self.gate_proj, self.up_proj, self.down_proj))
+            return (jax.nn.silu(xs[a] @ g) * (xs[a] @ u)) @ d
+
+        ys = jnp.stack([one(a) for a in range(n * k)]).astype(jnp.float32)
+        ys = ys * w.reshape(-1, 1)
+        return jnp.sum(ys.reshape(n, k, -1), axis=1).astype(x.dtype)
 
     def _dense(self, x, w, ids):
         n = x.shape[0]
