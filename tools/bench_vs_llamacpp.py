@@ -1,0 +1,360 @@
+"""jlco against llama.cpp, the engine a CPU user would run DeepSeek-V3.2 with, on one
+checkpoint and the same prompts, with the measured roofline beside every figure.
+
+One random DeepseekV32 checkpoint is built from `--config` (default
+configs/bench_llamacpp.py: the issue's 35.7 M-parameter float32 shape) by `transformers`
+and saved with `save_pretrained`; jlco loads it with its own loader, llama.cpp reads the
+GGUF that llama.cpp's own converter (`convert_hf_to_gguf.py` from the llama-cpp-python
+sdist, `--llama_cpp_src`) writes from it, float32 weights. The converter wants a tokenizer
+with merges: a byte-level BPE is trained here with `tokenizers` (the prompts are token
+ids, so it only has to exist); it refuses tokenizers it does not know by hash, so its
+pre-tokenizer check is bypassed (tokenization is never used).
+
+For each `--contexts` length and `--batches` size: `batch` random prompts of `context`
+tokens, then `--new_tokens` greedy tokens each. Measured per engine, after a warm-up round
+of the same shapes (jlco's compiles; llama.cpp's buffers), median of `--rounds`:
+  prefill  all prompts to their first token (jlco: `Engine.admit`, chunked as
+           `engine.prefill_chunk`; llama.cpp: `llama_decode` over `n_batch`-token pieces);
+  decode   tokens/s over the remaining steps (batch tokens per step) and the step p50.
+llama.cpp runs with `n_seq_max = batch` (one sequence per prompt), all cores, flash
+attention, and its KV cache in `--kv_type` (f32 computes the tokens jlco and
+transformers compute; f16 is its default). The greedy tokens of both are compared.
+
+Rooflines come from this machine, measured at the start (`jlco.planning.probe`: read
+bandwidth at the model's working-set size with every core, f32 matmul rate), unless
+`--mem_gbps` / `--peak_gflops` are given; `jlco.planning.roofline` counts the bytes and
+FLOPs (decode: one step at the context; prefill: the prompt as one step of `context`
+queries over an empty cache, per request).
+
+Needs the optional extra: pip install -e '.[llamacpp]' (builds llama.cpp, ~15 min on
+2 cores), and the sdist for the converter:
+  pip download llama-cpp-python==0.3.36 --no-binary :all: --no-deps -d /tmp/llsdist
+  tar xzf /tmp/llsdist/llama_cpp_python-0.3.36.tar.gz -C /tmp/llsdist
+
+  python tools/bench_vs_llamacpp.py --contexts=2048,8192,32768 --batches=1,4 \\
+      --llama_cpp_src=/tmp/llsdist/llama_cpp_python-0.3.36/vendor/llama.cpp --out=out/vs_llamacpp
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import pathlib
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+from absl import flags
+
+from jlco.util import cli
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PROG = "bench_vs_llamacpp"
+FLAGS = flags.FLAGS
+
+# Run in a child python: the converter's modules on sys.path, its tokenizer-hash check
+# (which knows only published tokenizers) and its BOS assertion bypassed.
+_CONVERT = """
+import sys
+src = sys.argv[1]
+sys.path[:0] = [src, src + "/gguf-py"]
+import conversion.base as base
+import conversion.deepseek as deepseek
+base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "default"
+deepseek.DeepseekV32Model.set_vocab = lambda self: self._set_vocab_gpt2()
+import convert_hf_to_gguf
+sys.argv = ["convert_hf_to_gguf.py"] + sys.argv[2:]
+convert_hf_to_gguf.main()
+"""
+
+
+def define_flags() -> None:
+    flags.DEFINE_string("config", "configs/bench_llamacpp.py", "model config (random weights)")
+    flags.DEFINE_list("contexts", ["2048", "8192", "32768"], "prompt tokens per request")
+    flags.DEFINE_list("batches", ["1", "4"], "requests decoded together")
+    flags.DEFINE_integer("new_tokens", 16, "greedy tokens per request", lower_bound=2)
+    flags.DEFINE_integer("rounds", 1, "timed rounds per setting (median)", lower_bound=1)
+    flags.DEFINE_integer("prefill_chunk", 512, "jlco engine.prefill_chunk", lower_bound=1)
+    flags.DEFINE_integer("n_batch", 512, "llama.cpp n_batch / n_ubatch", lower_bound=1)
+    flags.DEFINE_enum("kv_type", "f32", ["f32", "f16"], "llama.cpp KV-cache type")
+    flags.DEFINE_string("llama_cpp_src", os.environ.get("LLAMA_CPP_SRC", ""),
+                        "llama.cpp source tree holding convert_hf_to_gguf.py and gguf-py")
+    flags.DEFINE_float("init_std", 0.05, "weight init std of the random checkpoint")
+    flags.DEFINE_float("mem_gbps", 0.0, "roofline bandwidth, GB/s (0 = measure)")
+    flags.DEFINE_float("peak_gflops", 0.0, "roofline f32 peak, GFLOP/s (0 = measure)")
+    flags.DEFINE_string("out", "out/vs_llamacpp", "directory for the JSON and PNG")
+    flags.DEFINE_bool("json", False, "print the JSON to stdout (the table to stderr)")
+
+
+def _ints(name: str, values: list[str]) -> list[int]:
+    try:
+        out = [int(v) for v in values]
+    except ValueError:
+        cli.fail(PROG, f"--{name}={','.join(values)}: allowed positive integers")
+    if not out or min(out) < 1:
+        cli.fail(PROG, f"--{name}={','.join(values)}: allowed positive integers")
+    return out
+
+
+def write_checkpoint(cfg, d: str) -> None:
+    """transformers' random model, a byte-level BPE tokenizer, and the config keys the
+    converter reads (`scoring_func` / `topk_method`: what DeepSeek-V3's own config.json
+    says, and what transformers' DeepseekV32 computes)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from jlco.checkpoint.hf_reference import build_hf_model
+    build_hf_model(cfg.model, init_std=FLAGS.init_std).save_pretrained(d)
+    path = os.path.join(d, "config.json")
+    hf = json.load(open(path))
+    hf.update(scoring_func="sigmoid", topk_method="noaux_tc")
+    json.dump(hf, open(path, "w"), indent=1)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    text = [" ".join(f"word{i} token{i % 97} piece{i % 13}" for i in range(j, j + 200))
+            for j in range(0, 20000, 200)]
+    tok.train_from_iterator(text, trainers.BpeTrainer(
+        vocab_size=cfg.model.vocab_size - 2, special_tokens=["<bos>", "<eos>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    tok.save(os.path.join(d, "tokenizer.json"))
+    json.dump(dict(add_bos_token=True, bos_token="<bos>", eos_token="<eos>",
+                   tokenizer_class="PreTrainedTokenizerFast"),
+              open(os.path.join(d, "tokenizer_config.json"), "w"))
+
+
+def convert(ckpt: str, gguf: str) -> None:
+    src = FLAGS.llama_cpp_src
+    if not src or not os.path.exists(os.path.join(src, "convert_hf_to_gguf.py")):
+        cli.fail(PROG, f"--llama_cpp_src={src!r}: allowed a llama.cpp source tree with "
+                       "convert_hf_to_gguf.py and gguf-py (see this tool's docstring)")
+    print("converting the checkpoint to GGUF (llama.cpp's converter) ...", file=sys.stderr)
+    run = subprocess.run([sys.executable, "-c", _CONVERT, src, ckpt, "--outfile", gguf,
+                          "--outtype", "f32"], capture_output=True, text=True)
+    if run.returncode != 0:
+        cli.fail(PROG, f"convert_hf_to_gguf.py failed:\n{run.stderr[-3000:]}", cli.FAILURE_EXIT)
+
+
+class LlamaCpp:
+    """llama.cpp through llama-cpp-python's C API: one context of `batch` sequences."""
+
+    def __init__(self, gguf: str, batch: int, context: int):
+        import llama_cpp as L
+        from llama_cpp import _logger
+        _logger.set_verbose(False)   # its load and graph logs; errors still print
+        self.L = L
+        L.llama_backend_init()
+        mp = L.llama_model_default_params()
+        self.model = L.llama_model_load_from_file(gguf.encode(), mp)
+        if not self.model:
+            cli.fail(PROG, f"llama.cpp could not load {gguf}", cli.FAILURE_EXIT)
+        self.vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(self.model))
+        cp = L.llama_context_default_params()
+        per_seq = context + FLAGS.new_tokens + 8
+        cp.n_ctx, cp.n_seq_max = per_seq * batch, batch
+        cp.n_batch = cp.n_ubatch = max(FLAGS.n_batch, batch)
+        cp.n_threads = cp.n_threads_batch = os.cpu_count()
+        cp.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_ENABLED
+        kv = L.GGML_TYPE_F32 if FLAGS.kv_type == "f32" else L.GGML_TYPE_F16
+        cp.type_k = cp.type_v = kv
+        self.ctx = L.llama_init_from_model(self.model, cp)
+        if not self.ctx:
+            cli.fail(PROG, "llama.cpp could not create its context", cli.FAILURE_EXIT)
+        self.batch = L.llama_batch_init(cp.n_batch, 0, batch)
+        self.n_batch = cp.n_batch
+
+    def close(self) -> None:
+        L = self.L
+        L.llama_batch_free(self.batch)
+        L.llama_free(self.ctx)
+        L.llama_model_free(self.model)
+
+    def _decode(self, items: list[tuple[int, int, int, bool]]) -> None:
+        """items: (token, position, sequence, wants logits)."""
+        b = self.batch
+        b.n_tokens = len(items)
+        for i, (tok, pos, seq, out) in enumerate(items):
+            b.token[i], b.pos[i], b.n_seq_id[i] = tok, pos, 1
+            b.seq_id[i][0], b.logits[i] = seq, out
+        if self.L.llama_decode(self.ctx, b) != 0:
+            cli.fail(PROG, "llama_decode failed", cli.FAILURE_EXIT)
+
+    def _argmax(self, i: int) -> int:
+        ptr = self.L.llama_get_logits_ith(self.ctx, i)
+        return int(np.argmax(np.ctypeslib.as_array(
+            ctypes.cast(ptr, ctypes.POINTER(ctypes.c_float)), (self.vocab,))))
+
+    def run(self, prompts: list[list[int]]) -> dict:
+        self.L.llama_memory_clear(self.L.llama_get_memory(self.ctx), True)
+        t = time.perf_counter()
+        first = []
+        for s, p in enumerate(prompts):
+            for lo in range(0, len(p), self.n_batch):
+                piece = p[lo:lo + self.n_batch]
+                self._decode([(tok, lo + j, s, lo + j == len(p) - 1)
+                              for j, tok in enumerate(piece)])
+            first.append(self._argmax(len(piece) - 1))
+        prefill = time.perf_counter() - t
+        tokens, steps = [[f] for f in first], []
+        for k in range(FLAGS.new_tokens - 1):
+            t = time.perf_counter()
+            self._decode([(tokens[s][-1], len(p) + k, s, True) for s, p in enumerate(prompts)])
+            nxt = [self._argmax(s) for s in range(len(prompts))]
+            steps.append(time.perf_counter() - t)
+            for s, n in enumerate(nxt):
+                tokens[s].append(n)
+        return dict(prefill_s=prefill, step_s=steps, tokens=tokens)
+
+
+class Jlco:
+    """jlco's engine on the same checkpoint, as `jlco.generate --prompts_file` runs it."""
+
+    def __init__(self, ckpt: str, batch: int, context: int):
+        from jlco.checkpoint.load import load_model
+        from jlco.config import load_config
+        from jlco.engine.core import Engine
+        base = load_config(ROOT / FLAGS.config)
+        mcfg, model, _ = load_model(ckpt, {"dtype": "float32"}, progress=False)
+        self.cfg = base.replace(model=mcfg, engine__max_batch_size=batch,
+                                engine__max_context_len=context + FLAGS.new_tokens + 8,
+                                engine__prefill_chunk=FLAGS.prefill_chunk)
+        self.eng = Engine(self.cfg, model)
+
+    def close(self) -> None:
+        self.eng.close()
+
+    def run(self, prompts: list[list[int]]) -> dict:
+        eng = self.eng
+        reqs = [eng.submit(p, FLAGS.new_tokens) for p in prompts]
+        t = time.perf_counter()
+        eng.admit()
+        prefill = time.perf_counter() - t
+        eng.step_seconds.clear()
+        eng.run()
+        return dict(prefill_s=prefill, step_s=list(eng.step_seconds),
+                    tokens=[list(r.tokens) for r in reqs])
+
+
+def measure(engine, prompts) -> dict:
+    """A warm-up round, then --rounds timed ones: medians, and the last round's tokens."""
+    engine.run(prompts)
+    rounds = [engine.run(prompts) for _ in range(FLAGS.rounds)]
+    prefill = float(np.median([r["prefill_s"] for r in rounds]))
+    step = float(np.median([np.median(r["step_s"]) for r in rounds]))
+    n = sum(len(p) for p in prompts)
+    return dict(prefill_s=prefill, prefill_tok_s=n / prefill, step_ms=1e3 * step,
+                decode_tok_s=len(prompts) / step, tokens=rounds[-1]["tokens"])
+
+
+def setting(ckpt: str, gguf: str, machine, context: int, batch: int) -> dict:
+    from jlco.planning import roofline
+    rng = np.random.default_rng(context * 10 + batch)
+    jl = Jlco(ckpt, batch, context)
+    prompts = rng.integers(0, jl.cfg.model.vocab_size, (batch, context)).tolist()
+    try:
+        ours = measure(jl, prompts)
+    finally:
+        jl.close()
+    lc = LlamaCpp(gguf, batch, context)
+    try:
+        peer = measure(lc, prompts)
+    finally:
+        lc.close()
+    pre_roof = batch * roofline.decode_step_cost(jl.cfg, 1, 0, s_q=context).time_s(machine)
+    step_roof = roofline.decode_step_cost(jl.cfg, batch, context).time_s(machine)
+    for side in (ours, peer):
+        side["prefill_over_roofline"] = side["prefill_s"] / pre_roof
+        side["step_over_roofline"] = side["step_ms"] / (1e3 * step_roof)
+    return dict(context=context, batch=batch, jlco=ours, llamacpp=peer,
+                roofline_prefill_s=pre_roof, roofline_step_ms=1e3 * step_roof,
+                prefill_speedup=peer["prefill_s"] / ours["prefill_s"],
+                decode_speedup=ours["decode_tok_s"] / peer["decode_tok_s"],
+                same_first_tokens=[a[0] == b[0] for a, b in zip(ours["tokens"], peer["tokens"])],
+                same_tokens=ours["tokens"] == peer["tokens"])
+
+
+def table(out: dict) -> str:
+    m = out["machine"]
+    lines = [f"roofline machine: {m['mem_gbps']:.1f} GB/s read at {m['working_set_mb']:.0f} MB, "
+             f"{m['peak_gflops']:.0f} GFLOP/s f32; llama.cpp KV {out['kv_type']}",
+             f"{'ctx':>6}{'b':>3} {'engine':9}{'prefill s':>10}{'tok/s':>8}{'x roof':>8}"
+             f"{'step ms':>9}{'tok/s':>8}{'x roof':>8}  tokens"]
+    for r in out["results"]:
+        for name in ("jlco", "llamacpp"):
+            s = r[name]
+            same = "" if name == "jlco" else ("equal" if r["same_tokens"] else
+                                              f"first {sum(r['same_first_tokens'])}/{r['batch']}")
+            lines.append(f"{r['context']:>6}{r['batch']:>3} {name:9}{s['prefill_s']:>10.2f}"
+                         f"{s['prefill_tok_s']:>8.0f}{s['prefill_over_roofline']:>7.1f}x"
+                         f"{s['step_ms']:>9.2f}{s['decode_tok_s']:>8.0f}"
+                         f"{s['step_over_roofline']:>7.1f}x  {same}")
+        lines.append(f"{'':>10}jlco/llama.cpp: prefill {r['prefill_speedup']:.2f}x, decode "
+                     f"{r['decode_speedup']:.2f}x (roofline {r['roofline_prefill_s']:.3f} s, "
+                     f"{r['roofline_step_ms']:.2f} ms)")
+    return "\n".join(lines)
+
+
+def plot(out: dict, path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    batches = sorted({r["batch"] for r in out["results"]})
+    fig, axes = plt.subplots(len(batches), 2, figsize=(9, 3.2 * len(batches)), squeeze=False)
+    for row, b in zip(axes, batches):
+        rs = [r for r in out["results"] if r["batch"] == b]
+        ctx = [r["context"] for r in rs]
+        for ax, key, label in ((row[0], "prefill_tok_s", "prefill tokens/s"),
+                               (row[1], "decode_tok_s", "decode tokens/s")):
+            for name, color in (("jlco", "C0"), ("llamacpp", "C1")):
+                ax.plot(ctx, [r[name][key] for r in rs], "o-", color=color,
+                        label="llama.cpp" if name == "llamacpp" else name)
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("context (tokens)")
+            ax.set_ylabel(f"{label}, batch {b}")
+            ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv) -> None:
+    if len(argv) > 1:
+        cli.fail(PROG, f"unexpected arguments: {argv[1:]}")
+    contexts, batches = _ints("contexts", FLAGS.contexts), _ints("batches", FLAGS.batches)
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        cli.fail(PROG, "llama-cpp-python is not installed: pip install -e '.[llamacpp]'")
+    from jlco.config import load_config
+    from jlco.planning import probe, roofline
+    cfg = load_config(ROOT / FLAGS.config)
+    results = []
+    with tempfile.TemporaryDirectory() as d:
+        ckpt, gguf = os.path.join(d, "hf"), os.path.join(d, "model.gguf")
+        write_checkpoint(cfg, ckpt)
+        convert(ckpt, gguf)
+        print("measuring the machine ...", file=sys.stderr)
+        m = probe.measure(os.path.getsize(gguf))   # the weights a step streams
+        m["mem_gbps"] = FLAGS.mem_gbps or m["mem_gbps"]
+        m["peak_gflops"] = FLAGS.peak_gflops or m["peak_gflops"]
+        machine = roofline.cpu_machine(m["mem_gbps"], m["peak_gflops"])
+        for context in contexts:
+            for batch in batches:
+                print(f"context {context}, batch {batch} ...", file=sys.stderr)
+                results.append(setting(ckpt, gguf, machine, context, batch))
+    out = dict(config=FLAGS.config, new_tokens=FLAGS.new_tokens, rounds=FLAGS.rounds,
+               kv_type=FLAGS.kv_type, results=results,
+               machine=dict(m, platform=platform.platform(), cpus=os.cpu_count()))
+    dest = pathlib.Path(FLAGS.out)
+    dest.mkdir(parents=True, exist_ok=True)
+    plot(out, dest / "vs_llamacpp.png")
+    cli.write_report(dest / "vs_llamacpp.json", out,
+                     table(out) + f"\nwrote {dest / 'vs_llamacpp.json'}", FLAGS.json)
+
+
+if __name__ == "__main__":
+    define_flags()
+    cli.run_main(main, flags_parser=cli.flags_parser(PROG))
