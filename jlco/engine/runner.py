@@ -85,9 +85,9 @@ class ModelRunner:
                                                metrics=self.metrics)
         self.trace = self._open_trace(trace_path)
         self.prefix = prefix.open_prefix(cfg)   # None with cache.prefix_cache off
-        self.decode_fn = self.host.decode_step if self.host is not None else self.jit(
-            functools.partial(steps.decode_step, impl=self.impl), 2, ("batch", "batch", "cache"),
-            ("rep", "rep", "cache", "batch"))
+        self.decode_fn = self.host.decode_step if self.host is not None else steps.BoundStep(
+            functools.partial(steps.decode_step, impl=self.impl), self.graphdef, self.state,
+            lambda fn: self.jit(fn, 1, ("batch", "batch", "cache"), ("rep", "cache", "batch")))
         # Speculative decoding replaces decode() and the prefill pieces.
         self.spec = None
         if cfg.engine.num_draft_tokens:

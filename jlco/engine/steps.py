@@ -155,6 +155,34 @@ def warm_up(cache: DecodeCache, slot, record, *, fetch: bool = True):
     return dataclasses.replace(cache, latent=lat), fetched
 
 
+class BoundStep:
+    """A step `fn(graphdef, state, *rest)` jitted with the model's leaves flattened once.
+    Called with the graphdef and State each time, jit would hash the graphdef (nnx hashes
+    its whole node tree: 0.30 ms a call at 4 layers) and flatten the State's Variables in
+    Python (0.07 ms) before the device starts: a fifth of a 1.7 ms roofline step at batch 1.
+    `jit` gets `bound(leaves, *rest)` and jits it (donation and roles shift by one)."""
+
+    def __init__(self, fn, graphdef, state, jit):
+        leaves, treedef = jax.tree.flatten(state)
+        self._state, self._leaves = state, leaves
+
+        def bound(leaves, *rest):
+            return fn(graphdef, jax.tree.unflatten(treedef, leaves), *rest)
+
+        self._jitted = jit(bound)
+
+    def _leaves_for(self, state):
+        if state is not self._state:
+            raise ValueError("a BoundStep runs the model state it was built with")
+        return self._leaves
+
+    def __call__(self, graphdef, state, *rest):
+        return self._jitted(self._leaves_for(state), *rest)
+
+    def lower(self, graphdef, state, *rest):
+        return self._jitted.lower(self._leaves_for(state), *rest)
+
+
 def jit_on_cache(fn, cache: DecodeCache, offload: bool, donate: int, outs: tuple[str, ...],
                  roles: tuple[str, ...] = ()):
     """jit `fn`, donating its cache argument (`donate`). Offloaded, every output's
