@@ -18,7 +18,7 @@ from jlco.engine import host_driven
 from jlco.engine.penalize import SeenTokens
 from jlco.model import kv_cache
 from jlco.model.kv_cache import DecodeCache, cache_layers, init_cache
-from jlco.offload.latent import STAT_NAMES, OffloadLatent
+from jlco.offload.latent import STAT_NAMES, OffloadLatent, share_groups
 from jlco.offload.pages import PageAllocator, RankedPages
 from jlco.parallel import data as parallel_data
 from jlco.parallel import mesh as parallel_mesh
@@ -132,14 +132,18 @@ def _allocate(cfg: Config, host_memory: bool = True
     elif not host_driven_path:   # traced by `_allocate_split`, which places it
         def zeros():
             return jnp.zeros((pages.num_pages * page, rb), jnp.uint8)
+    # IndexShare: a full layer and the shared layers after it keep one slot table.
+    groups = share_groups([cfg.model.shares_topk(i) for i in range(n_layers)])
+    tables = groups[-1] + 1
     lat = OffloadLatent(
         rows=jnp.zeros((n_layers, batch, cap, rb), jnp.uint8),
-        slot_pos=jnp.full((n_layers, batch, cap), -1, jnp.int32),
-        slot_stamp=jnp.full((n_layers, batch, cap), -1, jnp.int32),
+        slot_pos=jnp.full((tables, batch, cap), -1, jnp.int32),
+        slot_stamp=jnp.full((tables, batch, cap), -1, jnp.int32),
         host=() if host_driven_path else tuple(zeros() for _ in range(n_layers)),
         page_table=jnp.full((batch, pages_per_req), -1, jnp.int32),
         step=jnp.int32(0), stats=jnp.zeros((n_layers, len(STAT_NAMES)), jnp.int32),
-        policy=cfg.cache.eviction, page_size=page, chunk_rows=_chunk_rows(cfg))
+        policy=cfg.cache.eviction, page_size=page, chunk_rows=_chunk_rows(cfg),
+        groups=None if tables == n_layers else groups)
     return _with_tables(cfg, init_cache(cfg, latent=lat)), pages
 
 

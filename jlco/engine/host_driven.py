@@ -54,7 +54,7 @@ from jlco.model.kv_cache import DecodeCache, cache_layers
 from jlco.offload.host_fetch import HostFetcher, miss_list
 from jlco.engine.inputs import StepInputs
 from jlco.offload.host_pool import HostLatentPool, host_row_ids
-from jlco.offload.latent import resolve_selection
+from jlco.offload.latent import follows, group_layers, resolve_selection, table_groups
 
 
 def resolve_fetch_path(cfg: Config) -> str:
@@ -128,13 +128,15 @@ def _pre(spec, leaves, cache: DecodeCache, layer, x, cos, sin, positions):
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=2, static_argnames=("nb", "impl"))
-def _select(spec, leaves, cache: DecodeCache, layer, b0, iq, iw, kernel_lengths, topk=None, *,
-            nb: int, impl: str):
+def _select(spec, leaves, cache: DecodeCache, layer, b0, iq, iw, kernel_lengths, topk=None,
+            slot_ids=None, *, nb: int, impl: str):
     """Micro-batch [b0, b0+nb): top-k (`MLA.select`; in a layer that shares its top-k,
     the last full layer's `topk` [nb,s,k] instead), the lookup half of
     `offload.latent.latent_for_attention` (`resolve_selection`) → (cache, slot ids
     [nb,s,k], missed host ids [nb,M], flat destinations [nb,M] into
-    rows[layer].reshape(b*m, R), −1 = none, the top-k used)."""
+    rows[layer].reshape(b*m, R), −1 = none, the top-k used). `slot_ids`: a shared
+    layer of a grouped table, whose full layer planned (and fetched) for it: only the
+    record, no lookup, no miss list (None, None)."""
     if topk is None:
         view = kv_cache.batch_rows(cache, b0, nb)
         topk = _block(spec, leaves).self_attn.select(
@@ -144,6 +146,8 @@ def _select(spec, leaves, cache: DecodeCache, layer, b0, iq, iw, kernel_lengths,
     if rec is not None and rec.shape[2:] == topk.shape[1:]:
         cache = dataclasses.replace(cache, record=rec.at[layer].set(
             jax.lax.dynamic_update_slice_in_dim(rec[layer], topk, b0, 0)))
+    if slot_ids is not None:
+        return cache, slot_ids, None, None, topk
     lat, res = resolve_selection(cache.latent, layer, topk, cache.scan_len, b0)
     miss_ids, dest = miss_list(res, _slice(lat.page_table, b0, nb), lat.page_size,
                                lat.rows.shape[2], b0)
@@ -251,22 +255,25 @@ class HostDriven:
 
     def warm_up(self, cache: DecodeCache, slot, record):
         """As `engine_steps.warm_up`: the same tables, then the resident rows fetched in
-        one batch per layer. → (cache, rows missed during the warm-up sequence)."""
+        one batch per slot table (an IndexShare group's layers together). → (cache,
+        rows missed during the warm-up sequence)."""
         cache, fetched = _warm_up_tables(cache, slot, record)
         lat, s = cache.latent, int(slot)
         pos, table = jax.device_get((lat.slot_pos[:, s], lat.page_table[s]))
         cap, p, rows = lat.rows.shape[2], self.page_size, lat.rows
-        for layer in range(pos.shape[0]):
-            held = np.nonzero(pos[layer] >= 0)[0]
-            q = pos[layer, held]
-            rows, _ = self.fetcher.send(rows, layer, table[q // p] * p + q % p, s * cap + held)
+        for t, members in enumerate(table_groups(lat)):
+            held = np.nonzero(pos[t] >= 0)[0]
+            q = pos[t, held]
+            rows, _ = self.fetcher.send(rows, members, table[q // p] * p + q % p,
+                                        s * cap + held)
         return dataclasses.replace(cache, latent=dataclasses.replace(lat, rows=rows)), fetched
 
     # ---- one step --------------------------------------------------------------
     def _layers(self, graphdef, state, cache, tokens, active, record: bool):
         cache, saved, x, cos, sin, positions, lengths = _begin(graphdef, state, cache,
                                                                tokens, active)
-        topk = [None] * len(self.micro)    # the last full layer's, per micro-batch
+        # The last full layer's (top-k, slot ids) per micro-batch.
+        topk = [(None, None)] * len(self.micro)
         for i, (gd, st) in enumerate(self.layers):
             with jax.named_scope(f"layer_{i}"):
                 cache, x = self._layer(i, gd, st, cache, x, cos, sin, positions, lengths,
@@ -275,33 +282,44 @@ class HostDriven:
 
     def _layer(self, i, gd, st, cache, x, cos, sin, positions, lengths, record: bool, topk):
         """One layer, two micro-batches overlapped (see the module docstring). `topk`
-        holds the last full layer's top-k per micro-batch: a layer that shares it
-        (IndexShare) reads it, a full layer replaces it."""
+        holds the last full layer's (top-k, slot ids) per micro-batch: a layer that
+        shares it (IndexShare) reads it, a full layer replaces it. With grouped slot
+        tables the full layer's plan and fetch cover the shared layers after it
+        (`group_layers`), so a shared layer only attends."""
         layer, shared = self._ids[i], self.cfg.model.shares_topk(i)
         full, cache = cache, kv_cache.layer_view(cache, i)
         cache, q, iq, iw, new_ids, new_rows = _pre(gd, st, cache, layer, x, cos, sin, positions)
         self.pool.write(i, new_ids, new_rows)
+        follow = follows(cache.latent, shared)
+        members = group_layers(cache.latent, i)
         selected = []
         for j, (b0, nb) in enumerate(self.micro):
-            cache, slot_ids, miss_ids, dest, topk[j] = _select(
-                gd, st, cache, layer, self._b0[b0], iq, iw, lengths,
-                topk[j] if shared else None, nb=nb, impl=self.impl)
+            prev, prev_ids = topk[j] if shared else (None, None)
+            cache, slot_ids, miss_ids, dest, used = _select(
+                gd, st, cache, layer, self._b0[b0], iq, iw, lengths, prev,
+                prev_ids if follow else None, nb=nb, impl=self.impl)
+            topk[j] = (used, slot_ids)
             selected.append((b0, nb, slot_ids, miss_ids, dest))
         outs = []
         for b0, nb, slot_ids, miss_ids, dest in selected:
-            rows = self._fetch(cache.latent.rows, i, miss_ids, dest, record)
-            cache = dataclasses.replace(cache, latent=dataclasses.replace(cache.latent, rows=rows))
-            outs.append(_attend(gd, st, rows, layer, self._b0[b0], q, slot_ids, nb=nb,
-                                kv_format=cache.kv_format, impl=self.impl))
+            if miss_ids is not None:
+                rows = self._fetch(cache.latent.rows, members, miss_ids, dest, record)
+                cache = dataclasses.replace(cache, latent=dataclasses.replace(cache.latent,
+                                                                              rows=rows))
+            outs.append(_attend(gd, st, cache.latent.rows, layer, self._b0[b0], q, slot_ids,
+                                nb=nb, kv_format=cache.kv_format, impl=self.impl))
         return kv_cache.with_layer(full, i, cache), _post(gd, st, x, tuple(outs))
 
     # ---- host work (the transfer itself: jlco.offload.host_fetch) -----------------
-    def _fetch(self, rows, layer: int, miss_ids, dest, record: bool):
-        """The miss list back (the one sync), rows gathered and sent; the time blocked
-        here is the layer's fetch wait."""
+    def _fetch(self, rows, layers: tuple[int, ...], miss_ids, dest, record: bool):
+        """The miss list back (the one sync), the rows of every layer of the group
+        gathered and sent together; the time blocked here is the full layer's fetch
+        wait, the rows moved are counted for each layer."""
         t0 = time.perf_counter()
-        rows, moved = self.fetcher.fetch(rows, layer, miss_ids, dest)
+        rows, moved = self.fetcher.fetch(rows, layers, miss_ids, dest)
         if record:
-            self.metrics.update(layer, h2d_moved_rows=moved,
-                                fetch_wait_s=time.perf_counter() - t0)
+            wait = time.perf_counter() - t0
+            for n, layer in enumerate(layers):
+                self.metrics.update(layer, h2d_moved_rows=moved,
+                                    fetch_wait_s=0.0 if n else wait)
         return rows

@@ -22,7 +22,7 @@ from jlco.model.kv_cache import DecodeCache
 from jlco.offload.fetch import fetch_in_jit
 from jlco.offload.host_pool import host_row_ids, scatter_to_host
 from jlco.offload.hot_buffer import resolve
-from jlco.offload.latent import OffloadLatent
+from jlco.offload.latent import OffloadLatent, table_groups
 from jlco.parallel import data as parallel_data
 from jlco.parallel import mesh as parallel_mesh
 
@@ -127,30 +127,37 @@ def warm_up(cache: DecodeCache, slot, record, *, fetch: bool = True):
     (record int32 [L, w, k], oldest query first) into the slot's hot buffer in order,
     fetching them from the host pool, so step 0 finds most rows resident. Query q is
     stamped step - w + q: older than the next decode step, in insertion order.
+    Once per slot table: an IndexShare group's shared layers recorded their full
+    layer's top-k, so the full layer's record plans the group's table and each chunk of
+    misses fetches the rows of every layer in the group together.
     fetch=False updates the slot tables only (the host-driven path then sends the rows
     that ended up resident: resolution depends on positions only, so the hot buffer is
-    the same). → (cache, rows missed during the sequence)."""
+    the same). → (cache, rows missed during the sequence, counted per layer)."""
     lat = cache.latent
     rows, pos, stamp = lat.rows, lat.slot_pos, lat.slot_stamp
     table = lat.page_table[slot][None]
     fetched = jnp.int32(0)
-    for layer in range(record.shape[0]):
-        def body(q, carry):
-            r, p, s, n = carry
+    for t, members in enumerate(table_groups(lat)):
+        hosts = tuple(lat.host[i] for i in members) if fetch else ()
+        layers = jnp.asarray(members, jnp.int32)
+
+        def body(q, carry, lead=members[0], hosts=hosts, n=len(members)):
+            r, p, s, missed = carry
             stamp_q = lat.step - record.shape[1] + q
-            res = resolve(p[None], s[None], record[layer, q][None, None], stamp_q, lat.policy,
+            res = resolve(p[None], s[None], record[lead, q][None, None], stamp_q, lat.policy,
                           num_positions=lat.num_positions)
             if fetch:
-                r = fetch_in_jit(r[None], lat.host[layer], table, res, lat.page_size)[0][0]
-            return r, res.slot_pos[0], res.slot_stamp[0], n + res.n_miss.sum()
+                r = fetch_in_jit(r, hosts, table, res, lat.page_size,
+                                 row_offset=tuple(range(n)))[0]
+            return r, res.slot_pos[0], res.slot_stamp[0], missed + n * res.n_miss.sum()
         r, p, s, fetched = jax.lax.fori_loop(
             0, record.shape[1], body,
-            (rows[layer, slot] if fetch else jnp.int32(0), pos[layer, slot], stamp[layer, slot],
+            (rows[layers, slot] if fetch else jnp.int32(0), pos[t, slot], stamp[t, slot],
              fetched))
         if fetch:
-            rows = rows.at[layer, slot].set(r, mode="drop")
-        pos = pos.at[layer, slot].set(p, mode="drop")
-        stamp = stamp.at[layer, slot].set(s, mode="drop")
+            rows = rows.at[layers, slot].set(r, mode="drop")
+        pos = pos.at[t, slot].set(p, mode="drop")
+        stamp = stamp.at[t, slot].set(s, mode="drop")
     lat = dataclasses.replace(lat, rows=rows, slot_pos=pos, slot_stamp=stamp)
     return dataclasses.replace(cache, latent=lat), fetched
 

@@ -130,25 +130,31 @@ def _scatter(arrs: tuple, layer: int, positions: jax.Array, values: jax.Array) -
 
 
 def write_latent(cache: DecodeCache, layer: int, rows: jax.Array,
-                 positions: jax.Array) -> DecodeCache:
-    """Store latent rows [b, s, c + r] at token positions [b, s] of `layer`."""
+                 positions: jax.Array, shared: bool = False) -> DecodeCache:
+    """Store latent rows [b, s, c + r] at token positions [b, s] of `layer` (`shared`:
+    the layer shares its top-k; offloaded, it then uses its full layer's slot table)."""
     with jax.named_scope("write_latent"):
         data = encode_rows(rows, cache.kv_format, cache.d_rope)
         if isinstance(cache.latent, offload_latent.OffloadLatent):
-            lat = offload_latent.write_latent(cache.latent, layer, data, positions)
+            lat = offload_latent.write_latent(cache.latent, layer, data, positions, shared)
             return dataclasses.replace(cache, latent=lat)
         return dataclasses.replace(cache, latent=_scatter(cache.latent, layer, positions, data))
 
 
-def latent_for_attention(cache: DecodeCache, layer: int, positions: jax.Array
+def latent_for_attention(cache: DecodeCache, layer: int, positions: jax.Array,
+                         shared_ids: jax.Array | None = None
                          ) -> tuple[DecodeCache, jax.Array, jax.Array]:
     """Rows and global row ids for sparse MLA: positions [b, s, k] (−1 = none) →
     (cache, rows [n, row_bytes], ids [b, s, k] into rows, −1 kept). On device n = b·t and
-    ids = b·t + position; offloaded, n = b·m hot slots and misses are fetched first."""
+    ids = b·t + position; offloaded, n = b·m hot slots and misses are fetched first.
+    `shared_ids`: a layer that shares its top-k passes the ids its full layer got; an
+    offloaded group's full layer has already fetched this layer's rows into the same
+    slots, so nothing is planned or fetched again."""
     cache = record_topk(cache, layer, positions)
     if isinstance(cache.latent, offload_latent.OffloadLatent):
         lat, rows, ids = offload_latent.latent_for_attention(cache.latent, layer, positions,
-                                                             scan_len=cache.scan_len)
+                                                             scan_len=cache.scan_len,
+                                                             shared_ids=shared_ids)
         return dataclasses.replace(cache, latent=lat), rows, ids
     lat = cache.latent[layer]
     b, t, row = lat.shape

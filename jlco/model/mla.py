@@ -4,10 +4,14 @@ Only the latent row [c (kv_lora_rank) | k_rope] is cached. q_nope is absorbed in
 latent space by W_UK (the nope half of kv_b_proj), attention runs over the selected
 rows, and W_UV (the value half) maps the latent output back to heads (docs/facts.md §1).
 A layer that shares its top-k (IndexShare, `ModelConfig.shares_topk`) has no indexer: it
-attends over the positions the last full layer before it selected.
+attends over the positions the last full layer before it selected, and (offloaded) over
+the hot-buffer slots that layer's plan put them in: the full layer fetched the group's
+rows, so a shared layer plans and fetches nothing (`offload.latent`).
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +26,14 @@ from jlco.model.layers import Linear, RMSNorm, apply_rope_interleaved, dtype_of,
 # DeepseekV32 and GlmMoeDsa and DeepSeek's reference build them (GLM-5's rms_norm_eps is
 # 1e-5; docs/facts.md §6).
 LATENT_NORM_EPS = 1e-6
+
+
+class Selected(NamedTuple):
+    """What a full layer's attention read: top-k positions [b,s,k] and the row ids
+    [b,s,k] sparse MLA addressed them by (None after a dense prefill chunk). The shared
+    layers after it (IndexShare) attend over the same."""
+    positions: jax.Array
+    ids: jax.Array | None
 
 
 class KVUp(nnx.Module):
@@ -109,7 +121,8 @@ class MLA(nnx.Module):
         """This step's new latent rows [b,s,c+r] and indexer keys [b,s,D] into the cache
         at positions [b,s] (`key_layer`: the keys' layer index, 0 in a `layer_view`;
         ik None: a layer that shares its top-k, which caches no keys)."""
-        cache = kv_cache.write_latent(cache, layer, latent, positions)
+        cache = kv_cache.write_latent(cache, layer, latent, positions,
+                                      shared=self.indexer is None)
         if ik is None:
             return cache
         return kv_cache.write_index_key(cache, key_layer, ik, positions)
@@ -122,25 +135,30 @@ class MLA(nnx.Module):
     def __call__(self, x, cos, sin, cache: kv_cache.DecodeCache, layer: int,
                  positions, kernel_lengths, impl: str, topk=None):
         """One MLA block of a step: `pre`, `write`, `select` (or, in a layer that shares
-        its top-k, the previous full layer's positions `topk` [b,s,k]), then the selected
-        rows (`kv_cache.latent_for_attention`: offloaded, misses fetched in the jit),
-        `attend` and `post` → (output, cache, the top-k positions used). The host-driven
-        engine runs the same methods as separate phases."""
+        its top-k, the previous full layer's `topk`), then the selected rows
+        (`kv_cache.latent_for_attention`: offloaded, misses fetched in the jit), `attend`
+        and `post` → (output, cache, `Selected`: the top-k positions [b,s,k] used and
+        the row ids they were read by, which a following shared layer reuses). The
+        host-driven engine runs the same methods as separate phases."""
         with jax.named_scope("mla"):
             latent, q, iq, ik, iw = self.pre(x, cos, sin)
             cache = self.write(cache, layer, layer, latent, ik, positions)
+            shared_ids = None
             if self.indexer is not None:
-                topk = self.select(cache, layer, iq, iw, kernel_lengths, impl)
+                positions_k = self.select(cache, layer, iq, iw, kernel_lengths, impl)
             elif topk is None:
                 raise ValueError(f"layer {layer} shares its top-k (indexer_types) but no "
                                  "earlier full layer's top-k was given")
+            else:
+                positions_k, shared_ids = topk
             dense = kv_cache.dense_rows(cache, layer, q.shape[1])
             if dense is not None:   # a prefill chunk over a short context
-                cache = kv_cache.record_topk(cache, layer, topk)
-                out = attention.sparse_mla_dense(q, dense, topk, self.cfg.softmax_scale,
+                cache = kv_cache.record_topk(cache, layer, positions_k)
+                out = attention.sparse_mla_dense(q, dense, positions_k, self.cfg.softmax_scale,
                                                  kv_format=cache.kv_format,
                                                  d_rope=self.cfg.qk_rope_head_dim)
-                return self.post(out, x.dtype), cache, topk
-            cache, rows, ids = kv_cache.latent_for_attention(cache, layer, topk)
+                return self.post(out, x.dtype), cache, Selected(positions_k, None)
+            cache, rows, ids = kv_cache.latent_for_attention(cache, layer, positions_k,
+                                                             shared_ids)
             out = self.attend(q, rows, ids, cache.kv_format, impl)
-            return self.post(out, x.dtype), cache, topk
+            return self.post(out, x.dtype), cache, Selected(positions_k, ids)

@@ -9,6 +9,11 @@ and scattered into the victim slots: no Python round trip. With `chunk_rows` > 0
 `lax.while_loop` moves fixed-size chunks until the real miss count is covered, so ~n_miss
 rows move instead of b*s_q*k (works on jax 0.10.2 CPU: compute_on + device_put inside
 while_loop).
+
+An IndexShare group (a full layer and the shared layers that reuse its top-k) has one
+plan: the same missed positions go to the same victim slots in every layer of the group,
+so their rows are gathered from each layer's pool at the same ids, stacked on the host
+and moved in ONE transfer [G, n, R], then written by one scatter.
 """
 
 from __future__ import annotations
@@ -24,13 +29,33 @@ def gather_host_rows(host_layer, row_ids: jax.Array) -> jax.Array:
     """uint8 [n, R] device rows at host row ids [n] (−1 → row 0, the caller drops them).
 
     host_layer: a pinned_host jax array (compute_on gather) or an unpinned_host one
-    (plain gather: jax 0.10 types it as a device operand)."""
+    (plain gather: jax 0.10 types it as a device operand); or a tuple of G such arrays
+    (one IndexShare group's layers) → [G, n, R], stacked on the host and moved in one
+    device_put."""
     ids = jnp.maximum(row_ids, 0).astype(jnp.int32)
-    if not is_host_space(host_layer):
-        return host_layer[ids]
+    group = isinstance(host_layer, tuple)
+    hosts = host_layer if group else (host_layer,)
+    if not is_host_space(hosts[0]):
+        return jnp.stack([h[ids] for h in hosts]) if group else host_layer[ids]
     ids = jax.device_put(ids, jax.memory.Space.Host)
-    rows = host_compute(lambda p, i: p[i], host_layer, ids)  # plain indexing: jnp.take fails here
+    if group:   # plain indexing: jnp.take fails here
+        rows = host_compute(lambda i, *ps: jnp.stack([p[i] for p in ps]), ids, *hosts)
+    else:
+        rows = host_compute(lambda p, i: p[i], host_layer, ids)
     return jax.device_put(rows, jax.memory.Space.Device)
+
+
+def _gather_group(host_layers: tuple, ids: jax.Array, dest: jax.Array, offsets: tuple,
+                  cap: int, end: int):
+    """Rows of every layer of a group at host ids [n], one transfer, and their flat
+    destinations: dest [n] (`end` = none) is the first layer's, shifted by each layer's
+    row offset past the first → (data [G*n, R], dest [G*n])."""
+    if len(host_layers) == 1:
+        return gather_host_rows(host_layers[0], ids), dest
+    data = gather_host_rows(host_layers, ids)
+    shift = [(o - offsets[0]) * cap for o in offsets]
+    dests = jnp.concatenate([jnp.where(dest < end, dest + d, end) for d in shift])
+    return data.reshape(-1, data.shape[-1]), dests
 
 
 def _flat_misses(n_rows, cap, page_table, res: Resolution, page_size, row_offset):
@@ -52,36 +77,44 @@ def _flat_misses(n_rows, cap, page_table, res: Resolution, page_size, row_offset
 
 def fetch_in_jit(rows: jax.Array, host_layer, page_table: jax.Array, res: Resolution,
                  page_size: int, chunk_rows: int = 0, row_offset=0):
-    """Pure, for use inside jit. rows uint8 [n, C, R] → (rows, moved_rows int32), where
-    the resolution's batch entry i owns rows[row_offset + i] (n = b and offset 0 for one
-    layer's hot buffer; an all-layer buffer viewed as [L*b, C, R] with offset layer*b is
-    written in place instead of through a copied layer slice).
+    """Pure, for use inside jit. rows uint8 [n, C, R] → (rows, moved_rows int32 per
+    layer), where the resolution's batch entry i owns rows[row_offset + i] (n = b and
+    offset 0 for one layer's hot buffer; an all-layer buffer viewed as [L*b, C, R] with
+    offset layer*b is written in place instead of through a copied layer slice).
+    host_layer and row_offset may be tuples (one IndexShare group's layers and their
+    offsets): the one plan `res` fetches every layer's rows in one transfer per chunk.
 
     chunk_rows 0: one padded gather of b*M rows. chunk_rows > 0: while_loop over chunks
     until sum(n_miss) rows are covered (moved = ceil(total / chunk) * chunk)."""
+    hosts = host_layer if isinstance(host_layer, tuple) else (host_layer,)
+    offsets = row_offset if isinstance(row_offset, tuple) else (row_offset,)
+    if len(hosts) != len(offsets):
+        raise ValueError(f"fetch_in_jit: {len(hosts)} host layers but {len(offsets)} "
+                         "row offsets: allowed one offset per layer")
     n_rows, cap, rb = rows.shape
     b, m = res.miss_pos.shape
+    end = n_rows * cap
     with jax.named_scope("offload_fetch_in_jit"):
-        flat = rows.reshape(n_rows * cap, rb)
+        flat = rows.reshape(end, rb)
         if chunk_rows <= 0:
             ids = host_row_ids(page_table, res.miss_pos, page_size).reshape(-1)
-            data = gather_host_rows(host_layer, ids)
             dest = jnp.where(res.victim_slot >= 0,
-                             (row_offset + jnp.arange(b, dtype=jnp.int32))[:, None] * cap
-                             + res.victim_slot, n_rows * cap).reshape(-1)
+                             (offsets[0] + jnp.arange(b, dtype=jnp.int32))[:, None] * cap
+                             + res.victim_slot, end).reshape(-1)
+            data, dest = _gather_group(hosts, ids, dest, offsets, cap, end)
             return (flat.at[dest].set(data, mode="drop").reshape(n_rows, cap, rb),
                     jnp.int32(b * m))
-        ids, dest = _flat_misses(n_rows, cap, page_table, res, page_size, row_offset)
+        ids, dest = _flat_misses(n_rows, cap, page_table, res, page_size, offsets[0])
         n = -(-(b * m) // chunk_rows) * chunk_rows
         ids = jnp.pad(ids, (0, n - b * m), constant_values=-1)
-        dest = jnp.pad(dest, (0, n - b * m), constant_values=n_rows * cap)
+        dest = jnp.pad(dest, (0, n - b * m), constant_values=end)
         total = res.n_miss.sum(dtype=jnp.int32)
 
         def body(carry):
             i, flat = carry
             sl = jax.lax.dynamic_slice(ids, (i * chunk_rows,), (chunk_rows,))
             dl = jax.lax.dynamic_slice(dest, (i * chunk_rows,), (chunk_rows,))
-            data = gather_host_rows(host_layer, sl)
+            data, dl = _gather_group(hosts, sl, dl, offsets, cap, end)
             return i + 1, flat.at[dl].set(data, mode="drop")
 
         steps, flat = jax.lax.while_loop(lambda c: c[0] * chunk_rows < total, body,

@@ -9,11 +9,15 @@ them in chunks of at most `chunk_rows` rows, each padded to a power of two so th
 scatter compiles O(log) times, and a donated jitted scatter writes them into the victim
 slots of the all-layer hot buffer in place. A large miss list is gathered on threads
 (numpy's take releases the GIL), so later chunks gather while earlier ones transfer.
+An IndexShare group (a full layer and the shared layers reusing its top-k) has one miss
+list: `fetch` / `send` take the group's layers, gather each one's rows at the same ids
+into one [G, n, R] buffer, and move it in one `device_put` per chunk.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import functools
 import warnings
 
@@ -40,12 +44,14 @@ def miss_list(res: Resolution, page_table: jax.Array, page_size: int, capacity: 
 
 
 @functools.partial(jax.jit, donate_argnums=0)
-def _scatter(rows, layer, dest, data):
-    """rows[layer].flat[dest] = data (dest −1 / past the end dropped)."""
-    _, b, m, r = rows.shape
-    flat = rows[layer].reshape(b * m, r)
-    flat = flat.at[jnp.where(dest < 0, b * m, dest)].set(data, mode="drop")
-    return rows.at[layer].set(flat.reshape(b, m, r))
+def _scatter(rows, layers, dest, data):
+    """rows[layers[g]].flat[dest] = data[g] for each layer g of a group (layers int32
+    [G], dest [n] with −1 / past the end dropped, data [G, n, R])."""
+    n_layers, b, m, r = rows.shape
+    end = n_layers * b * m
+    at = jnp.where((dest >= 0) & (dest < b * m), layers[:, None] * (b * m) + dest[None], end)
+    flat = rows.reshape(end, r).at[at.reshape(-1)].set(data.reshape(-1, r), mode="drop")
+    return flat.reshape(n_layers, b, m, r)
 
 
 class HostFetcher:
@@ -63,9 +69,9 @@ class HostFetcher:
                              "integer >= 1")
         self.pool, self.window, self.threads = pool, chunk_rows, threads
         self.device = device or jax.devices()[0]
-        # Layer indices as device scalars made once: the scatter's layer is traced, so
-        # one compile serves every layer and no call converts a Python int.
-        self._layers = tuple(jnp.int32(i) for i in range(pool.num_layers))
+        # Layer indices as device arrays made once per group: the scatter's layers are
+        # traced, so one compile serves every group size and no call converts ints.
+        self._layers: dict[tuple[int, ...], jax.Array] = {}
         self._io = concurrent.futures.ThreadPoolExecutor(threads,
                                                          thread_name_prefix="jlco-gather")
         if not pool.zero_copy():
@@ -76,39 +82,47 @@ class HostFetcher:
         """Stop the gather threads (after any gather in flight)."""
         self._io.shutdown(wait=True)
 
-    def fetch(self, rows, layer: int, miss_ids, dest):
+    def fetch(self, rows, layer, miss_ids, dest):
         """`miss_list`'s arrays back to the host (the one sync), then `send` the rows they
-        name. → (rows, rows moved incl. padding)."""
+        name (`layer`: one layer, or a tuple: one IndexShare group, one plan). → (rows,
+        rows moved per layer incl. padding)."""
         ids, dest = jax.device_get((miss_ids, dest))
         keep = dest >= 0
         return self.send(rows, layer, ids[keep], dest[keep])
 
-    def send(self, rows, layer: int, ids: np.ndarray, dest: np.ndarray):
-        """rows[layer].flat[dest] = pool rows at host ids, in chunks of at most
-        `chunk_rows` rows. → (rows, rows moved incl. padding)."""
+    def send(self, rows, layer, ids: np.ndarray, dest: np.ndarray):
+        """rows[l].flat[dest] = pool rows of layer l at host ids, for `layer` (an int, or
+        a tuple of a group's layers: gathered into one buffer, one transfer per chunk),
+        in chunks of at most `chunk_rows` rows. → (rows, rows moved per layer incl.
+        padding)."""
+        layers = layer if isinstance(layer, tuple) else (layer,)
         n = len(ids)
         if n == 0:
             return rows, 0
         if (ids < 0).any():
-            raise RuntimeError(f"host-driven fetch: layer {layer}: a missed position has no "
-                               "host page (pages must be reserved before decoding)")
+            raise RuntimeError(f"host-driven fetch: layer {layers[0]}: a missed position has "
+                               "no host page (pages must be reserved before decoding)")
+        if layers not in self._layers:
+            self._layers[layers] = jnp.asarray(layers, jnp.int32)
         step = self.window or n
         chunks = [(a, min(a + step, n)) for a in range(0, n, step)]
-        bufs = [np.zeros((pow2_bucket(b - a, cap=self.window), self.pool.row_bytes), np.uint8)
-                for a, b in chunks]
+        bufs = [np.zeros((len(layers), pow2_bucket(b - a, cap=self.window),
+                          self.pool.row_bytes), np.uint8) for a, b in chunks]
         background = len(chunks) > 1 or n >= 2 * MIN_ROWS_PER_THREAD
         moved = 0
-        with self.pool.view(layer) as v:
-            work = [self._gather(v, ids[a:b], buf, background)
+        with contextlib.ExitStack() as stack:
+            views = [stack.enter_context(self.pool.view(i)) for i in layers]
+            work = [[f for g, v in enumerate(views)
+                     for f in self._gather(v, ids[a:b], buf[g], background)]
                     for (a, b), buf in zip(chunks, bufs)]
             for (a, b), buf, pieces in zip(chunks, bufs, work):
                 for f in pieces:
                     f.result()
-                d = np.full(len(buf), -1, np.int32)
+                d = np.full(buf.shape[1], -1, np.int32)
                 d[:b - a] = dest[a:b]
                 data_d, dest_d = jax.device_put((buf, d), self.device)
-                rows = _scatter(rows, self._layers[layer], dest_d, data_d)
-                moved += len(buf)
+                rows = _scatter(rows, self._layers[layers], dest_d, data_d)
+                moved += buf.shape[1]
         return rows, moved
 
     def _gather(self, view: np.ndarray, ids: np.ndarray, out: np.ndarray,

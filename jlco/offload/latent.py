@@ -12,6 +12,14 @@ jitted step:
 
 Bytes are copied, never re-encoded, so attention reads exactly the bytes the offload-off
 cache would: offload on equals offload off bit for bit.
+
+IndexShare groups (GLM-5 "shared" layers, `ModelConfig.shares_topk`): a full layer and
+the shared layers after it attend over the same positions every step, so their slot
+tables would stay identical; they keep ONE table (`OffloadLatent.groups` maps each layer
+to its table). The full layer plans the group's misses once (`resolve_selection`) and
+fetches the missed rows of every layer of the group in one transfer; a shared layer only
+writes its new row into the slot the group's table gives it and attends by the full
+layer's slot ids (`latent_for_attention(shared_ids=...)`).
 Glossary: L layers, b batch, m hot slots, R row bytes, P pages per request, s, k as usual.
 """
 
@@ -39,12 +47,12 @@ ROW_GROUP = 2
 
 @partial(jax.tree_util.register_dataclass,
          data_fields=("rows", "slot_pos", "slot_stamp", "host", "page_table", "step", "stats"),
-         meta_fields=("policy", "page_size", "chunk_rows"))
+         meta_fields=("policy", "page_size", "chunk_rows", "groups"))
 @dataclasses.dataclass(frozen=True)
 class OffloadLatent:
     rows: jax.Array          # uint8 [L, b, m, R]  device hot buffer
-    slot_pos: jax.Array      # int32 [L, b, m]     context position held by a slot, −1 empty
-    slot_stamp: jax.Array    # int32 [L, b, m]     last use (LRU) / insertion (FIFO) step
+    slot_pos: jax.Array      # int32 [G, b, m]     context position held by a slot, −1 empty
+    slot_stamp: jax.Array    # int32 [G, b, m]     last use (LRU) / insertion (FIFO) step
     host: tuple              # L × uint8 [pages*page_size, R] in host memory
     page_table: jax.Array    # int32 [b, P]        host page of each request page, −1 none
     step: jax.Array          # int32 []            decode step counter (slot stamps)
@@ -52,6 +60,10 @@ class OffloadLatent:
     policy: str
     page_size: int
     chunk_rows: int
+    # The slot table (index into slot_pos / slot_stamp, G of them) of each of the L
+    # layers: an IndexShare group shares its full layer's (`share_groups`). None: one
+    # table per layer (G = L).
+    groups: tuple | None = None
 
     @property
     def num_positions(self) -> int:
@@ -63,6 +75,65 @@ class OffloadLatent:
     def shape(self) -> tuple[int, ...]:
         """(L, b, m, R), so shape-reading code treats it like the device latent array."""
         return self.rows.shape
+
+
+def share_groups(shared) -> tuple[int, ...]:
+    """`OffloadLatent.groups` for layers whose `shared` flags (bool per cache layer,
+    `ModelConfig.shares_topk`) say which reuse the top-k of the full layer before them:
+    a full layer opens a new table, a shared one uses the open one."""
+    groups: list[int] = []
+    for i, s in enumerate(shared):
+        if i == 0 and s:
+            raise ValueError("share_groups: layer 0 shares its top-k, but no full layer "
+                             "comes before it")
+        groups.append(groups[-1] + (not s) if groups else 0)
+    return tuple(groups)
+
+
+def table_index(lat: OffloadLatent, layer):
+    """The slot table of `layer` (an int, or traced in the host-driven phases)."""
+    if lat.groups is None:
+        return layer
+    if isinstance(layer, int):
+        return lat.groups[layer]
+    return jnp.asarray(lat.groups, jnp.int32)[layer]
+
+
+def group_layers(lat: OffloadLatent, layer: int) -> tuple[int, ...]:
+    """The layers that share `layer`'s slot table, ascending (its IndexShare group)."""
+    if lat.groups is None:
+        return (layer,)
+    return tuple(i for i, g in enumerate(lat.groups) if g == lat.groups[layer])
+
+
+def table_groups(lat: OffloadLatent) -> tuple[tuple[int, ...], ...]:
+    """Per slot table, the layers that use it (the first one is the full layer)."""
+    n = lat.rows.shape[0]
+    if lat.groups is None:
+        return tuple((i,) for i in range(n))
+    return tuple(tuple(i for i in range(n) if lat.groups[i] == g)
+                 for g in range(max(lat.groups) + 1))
+
+
+def _group_mask(lat: OffloadLatent, layer) -> jax.Array:
+    """bool [L]: the layers sharing `layer`'s table (per-layer counters go to each)."""
+    n = lat.stats.shape[0]
+    if lat.groups is None:
+        return jnp.arange(n) == layer
+    return jnp.asarray(lat.groups, jnp.int32) == table_index(lat, layer)
+
+
+def follows(lat: OffloadLatent, shared: bool) -> bool:
+    """A layer that shares its top-k uses its full layer's table (and plan) when the
+    latent groups its tables; without groups it plans on its own table."""
+    return bool(shared) and lat.groups is not None
+
+
+def _resident_slots(table: jax.Array, new_pos: jax.Array) -> jax.Array:
+    """The slot of table [b, m] holding each position of new_pos [b, s] (−1 where none
+    does, or the position is invalid): where a shared layer writes its new row."""
+    eq = table[:, None, :] == new_pos[:, :, None]                             # [b, s, m]
+    return jnp.where(eq.any(-1) & (new_pos >= 0), jnp.argmax(eq, -1), -1).astype(jnp.int32)
 
 
 def _flat_ids(slot_ids: jax.Array, capacity: int) -> jax.Array:
@@ -134,9 +205,14 @@ def _update_layer_rows(has_work, tables, inputs, fills, fn, group):
 
 
 def write_latent(lat: OffloadLatent, layer: int, data: jax.Array,
-                 positions: jax.Array) -> OffloadLatent:
+                 positions: jax.Array, shared: bool = False) -> OffloadLatent:
     """data uint8 [b, s, R] at positions [b, s] → host pool and hot buffer of `layer`
-    (`layer` may be traced when the latent has no in-jit pool, `host == ()`)."""
+    (`layer` may be traced when the latent has no in-jit pool, `host == ()`).
+    `shared` (static): the layer shares its top-k; with grouped tables its full layer
+    has already inserted these positions into the group's table (and planned the
+    step), so the rows go to the slots that hold them now, the table untouched: a
+    position the full layer's plan evicted again is not written (its slot holds a
+    fetched row), as a second insert + plan on an identical table would leave it."""
     with jax.named_scope("offload_write_latent"):
         ids = host_row_ids(lat.page_table, positions, lat.page_size)           # [b, s]
         host = list(lat.host)
@@ -144,14 +220,18 @@ def write_latent(lat: OffloadLatent, layer: int, data: jax.Array,
             host[layer] = scatter_to_host(host[layer], ids.reshape(-1),
                                           data.reshape(-1, data.shape[-1]))
         new_pos = jnp.where(ids >= 0, positions, -1).astype(jnp.int32)
+        t = table_index(lat, layer)
+        if follows(lat, shared):
+            pos, stamp = lat.slot_pos, lat.slot_stamp
+            slots = _resident_slots(lat.slot_pos[t], new_pos)
+        else:
+            def insert(tables, inputs):
+                slots, pos, stamp = insert_slots(*tables, *inputs, lat.step, lat.policy)
+                return (pos, stamp), (slots,)
 
-        def insert(tables, inputs):
-            slots, pos, stamp = insert_slots(*tables, *inputs, lat.step, lat.policy)
-            return (pos, stamp), (slots,)
-
-        (pos, stamp), (slots,) = update_rows((new_pos >= 0).any(axis=1), layer,
-                                             (lat.slot_pos, lat.slot_stamp), (new_pos,),
-                                             (-1,), insert)
+            (pos, stamp), (slots,) = update_rows((new_pos >= 0).any(axis=1), t,
+                                                 (lat.slot_pos, lat.slot_stamp), (new_pos,),
+                                                 (-1,), insert)
         # Scatter into the whole donated [L, b, m, R] array: writing a rows[layer] slice
         # back would copy the layer's hot buffer every step.
         b, cap = lat.rows.shape[1:3]
@@ -167,9 +247,10 @@ def resolve_selection(lat: OffloadLatent, layer, positions: jax.Array,
                       scan_len: int | None = None, b0=0) -> tuple[OffloadLatent, Resolution]:
     """The lookup half of `latent_for_attention`, for batch rows b0..b0+nb: positions
     [nb, s, k] (−1 none) of `layer` → hits / misses against the hot buffer (`resolve`;
-    rows that select nothing are skipped, `update_rows`), the slot tables and the
-    lookup / hit / miss counters updated. Positions without a host page belong to empty
-    batch slots and are not looked up. The host-driven path calls this per micro-batch
+    rows that select nothing are skipped, `update_rows`), the slot table and the
+    lookup / hit / miss counters updated (of every layer of the table's group: each
+    attends over these rows). Positions without a host page belong to empty batch
+    slots and are not looked up. The host-driven path calls this per micro-batch
     (`b0`, `layer` traced), the in-jit path on the whole batch."""
     nb = positions.shape[0]
     table = jax.lax.dynamic_slice_in_dim(lat.page_table, b0, nb, 0)
@@ -181,21 +262,24 @@ def resolve_selection(lat: OffloadLatent, layer, positions: jax.Array,
         return (res.slot_pos, res.slot_stamp), (res.slot_ids, res.miss_pos, res.victim_slot,
                                                 res.n_miss, res.n_hit, res.n_lookup)
 
+    ti = table_index(lat, layer)
+
     def rows_of(t):
-        return jax.lax.dynamic_slice_in_dim(t[layer], b0, nb, 0)
+        return jax.lax.dynamic_slice_in_dim(t[ti], b0, nb, 0)
     (pos, stamp), (slot_ids, miss, victim, n_miss, n_hit, n_lookup) = _update_layer_rows(
         (positions >= 0).any(axis=(1, 2)), (rows_of(lat.slot_pos), rows_of(lat.slot_stamp)),
         (positions,), (-1, -1, -1, 0, 0, 0), lookup, None)
     res = Resolution(slot_ids, miss, victim, n_miss, pos, stamp, n_hit, n_lookup)
-    counts = jnp.zeros_like(lat.stats[layer]).at[
+    counts = jnp.zeros_like(lat.stats[0]).at[
         jnp.array([STAT_LOOKUPS, STAT_HITS, STAT_MISSES])].set(
         jnp.stack([n_lookup.sum(), n_hit.sum(), n_miss.sum()]).astype(jnp.int32))
+    counts = jnp.where(_group_mask(lat, layer)[:, None], counts[None], 0)
 
     def put(t, v):
-        return t.at[layer].set(jax.lax.dynamic_update_slice_in_dim(t[layer], v, b0, 0))
+        return t.at[ti].set(jax.lax.dynamic_update_slice_in_dim(t[ti], v, b0, 0))
     return dataclasses.replace(lat, slot_pos=put(lat.slot_pos, pos),
                                slot_stamp=put(lat.slot_stamp, stamp),
-                               stats=lat.stats.at[layer].add(counts)), res
+                               stats=lat.stats + counts), res
 
 
 def lookup_bound(lat: OffloadLatent, scan_len: int | None) -> int:
@@ -207,21 +291,29 @@ def lookup_bound(lat: OffloadLatent, scan_len: int | None) -> int:
 
 
 def latent_for_attention(lat: OffloadLatent, layer: int, positions: jax.Array,
-                         scan_len: int | None = None):
+                         scan_len: int | None = None, shared_ids: jax.Array | None = None):
     """positions [b, s, k] (−1 none, all < scan_len when given) → (lat, rows [b*m, R],
     ids [b, s, k]): every selected row resident in the hot buffer, misses fetched exactly
-    from the host pool."""
+    from the host pool. The plan is made once per table group: the full layer's call
+    fetches the missed rows of every layer in its group in one transfer, and a shared
+    layer's call (`shared_ids`: the ids its full layer returned, grouped tables) plans
+    and fetches nothing."""
+    n_layers, b, m, r = lat.rows.shape
+    if shared_ids is not None and lat.groups is not None:
+        return lat, lat.rows[layer].reshape(b * m, r), shared_ids
     with jax.named_scope("offload_latent_for_attention"):
         lat, res = resolve_selection(lat, layer, positions, scan_len)
         # Fetch into the whole donated buffer (viewed [L*b, m, R]), in place: fetching
         # into rows[layer] and writing it back copied the layer's hot buffer twice a step.
-        n_layers, b, m, r = lat.rows.shape
-        rows, moved = fetch_in_jit(lat.rows.reshape(n_layers * b, m, r), lat.host[layer],
-                                   lat.page_table, res, lat.page_size, lat.chunk_rows,
-                                   row_offset=layer * b)
+        members = group_layers(lat, layer)
+        rows, moved = fetch_in_jit(lat.rows.reshape(n_layers * b, m, r),
+                                   tuple(lat.host[i] for i in members), lat.page_table, res,
+                                   lat.page_size, lat.chunk_rows,
+                                   row_offset=tuple(i * b for i in members))
         rows = rows.reshape(n_layers, b, m, r)
-        lat = dataclasses.replace(lat, rows=rows, stats=lat.stats.at[layer, STAT_MOVED].add(
-            jnp.asarray(moved, jnp.int32)))
+        moved = jnp.where(_group_mask(lat, layer), jnp.asarray(moved, jnp.int32), 0)
+        lat = dataclasses.replace(lat, rows=rows,
+                                  stats=lat.stats.at[:, STAT_MOVED].add(moved))
         return lat, rows[layer].reshape(b * m, r), _flat_ids(res.slot_ids, m)
 
 

@@ -1,7 +1,8 @@
 """The memory plan of GLM-5 (configs/glm5.py) and its IndexShare form
 (configs/glm5_index_share.py: 21 of 78 layers full): a layer that shares its top-k holds
-no indexer keys and no indexer weights, so per-request device bytes drop by exactly the
-shared layers' keys, and the engine's real allocation drops by the same bytes."""
+no indexer keys and no indexer weights (and, offloaded, no slot table of its own), so
+per-request device bytes drop by exactly those, and the engine's real allocation drops
+by the same bytes."""
 
 import dataclasses
 
@@ -27,8 +28,12 @@ def test_per_request_bytes_drop_by_the_shared_layers_keys():
         a = memory.per_request_bytes(FULL, ctx, offload)
         b = memory.per_request_bytes(SHARE, ctx, offload)
         assert a["indexer"] - b["indexer"] == (78 - 21) * ctx * 132
-        assert {k: v for k, v in a.items() if k != "indexer"} == \
-            {k: v for k, v in b.items() if k != "indexer"}
+        # offloaded, the shared layers keep no slot tables either (int32 position + stamp
+        # per hot row: their full layer's table serves the group)
+        rows = FULL.hot_buffer_rows
+        assert a["tables"] - b["tables"] == ((78 - 21) * 8 * rows if offload else 0)
+        assert {k: v for k, v in a.items() if k not in ("indexer", "tables")} == \
+            {k: v for k, v in b.items() if k not in ("indexer", "tables")}
     hbm = 141e9
     assert memory.max_batch(SHARE, hbm, ep=32) > memory.max_batch(FULL, hbm, ep=32)
 
@@ -42,7 +47,8 @@ def test_weights_drop_by_the_shared_layers_indexers():
 
 def test_engine_allocation_drops_what_the_planner_drops():
     """Per batch slot, the engine's device cache (abstract shapes) for a tiny GLM with two
-    shared layers is smaller than the all-full one's by the planner's difference."""
+    shared layers is smaller than the all-full one's by the planner's difference: their
+    indexer keys and, offloaded, their slot tables."""
     tiny = load_config("configs/tiny.py")
     m = dataclasses.replace(tiny.model, model_type="glm_moe_dsa", num_hidden_layers=4,
                             indexer_types=("full", "shared", "shared", "full"))
@@ -53,6 +59,9 @@ def test_engine_allocation_drops_what_the_planner_drops():
         slot = {n: allocation.device_cache_bytes(c, 2) - allocation.device_cache_bytes(c, 1)
                 for n, c in (("share", s), ("full", f))}
         ctx = s.engine.max_context_len
-        planned = (memory.per_request_bytes(f, ctx, offload)["indexer"]
-                   - memory.per_request_bytes(s, ctx, offload)["indexer"])
-        assert slot["full"] - slot["share"] == planned == 2 * ctx * (m.index_head_dim + 4)
+        pf, ps = (memory.per_request_bytes(c, ctx, offload) for c in (f, s))
+        planned = {k: pf[k] - ps[k] for k in ("indexer", "tables")}
+        assert planned["indexer"] == 2 * ctx * (m.index_head_dim + 4)
+        # offloaded, a shared layer also keeps no slot table of its own (its full layer's)
+        assert planned["tables"] == (2 * 8 * s.hot_buffer_rows if offload else 0)
+        assert slot["full"] - slot["share"] == planned["indexer"] + planned["tables"]
