@@ -131,7 +131,11 @@ def draw(logits, temps, keys, top_ps, top_ks, min_ps=None):
     """logits [b, V] → (tokens int32 [b], the filtered logits [b, V]): greedy rows take
     the argmax, sampled rows draw from `sampling_logits` with their key."""
     flat = sampling_logits(logits, temps, top_ps, top_ks, min_ps)
-    drawn = jax.vmap(jax.random.categorical)(keys, flat)
+    # The draw (Gumbel noise over the vocabulary) only when some row samples: an
+    # all-greedy batch skips it (0.2 ms of a 7 ms step at batch 1, vocab 2048, on CPU).
+    drawn = jax.lax.cond(jnp.any(temps > 0),
+                         lambda f: jax.vmap(jax.random.categorical)(keys, f).astype(jnp.int32),
+                         lambda f: jnp.zeros(f.shape[:1], jnp.int32), flat)
     return jnp.where(temps > 0, drawn, jnp.argmax(logits, axis=-1)).astype(jnp.int32), flat
 
 
