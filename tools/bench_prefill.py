@@ -47,6 +47,7 @@ import time
 
 from absl import app, flags, logging
 
+from jlco.planning import roofline
 from jlco.util import atomic, cli, compile_cache
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -79,8 +80,10 @@ def define_flags() -> None:
     flags.DEFINE_string("hardware", "auto", "roofline limits: auto (cpu, or the profile of "
                         "the accelerator's device kind), cpu (--mem_gbps/--peak_gflops), or "
                         "a jlco.planning.hardware key")
-    flags.DEFINE_float("mem_gbps", 14.9, "CPU memory bandwidth, GB/s (roofline on cpu)")
-    flags.DEFINE_float("peak_gflops", 130.0, "CPU peak GFLOP/s (roofline on cpu)")
+    flags.DEFINE_float("mem_gbps", roofline.CPU_MEM_GBPS,
+                       "CPU memory bandwidth, GB/s (roofline on cpu)")
+    flags.DEFINE_float("peak_gflops", roofline.CPU_PEAK_GFLOPS,
+                       "CPU peak GFLOP/s (roofline on cpu)")
     flags.DEFINE_integer("child_length", None, "internal: run one length in this process and "
                          "print its result line", lower_bound=1)
 
@@ -123,7 +126,6 @@ def pick_machine():
     """The roofline's limits (--hardware; auto: the device this process sees)."""
     import jax
 
-    from jlco.planning import roofline
     hw = FLAGS.hardware.lower()
     cpu = roofline.cpu_machine(FLAGS.mem_gbps, FLAGS.peak_gflops)
     if hw == "cpu":

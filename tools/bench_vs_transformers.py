@@ -39,6 +39,7 @@ import time
 import numpy as np
 from absl import flags
 
+from jlco.planning import roofline
 from jlco.util import cli
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -52,8 +53,8 @@ def define_flags() -> None:
     flags.DEFINE_integer("prompt_len", 2048, "prompt tokens per request", lower_bound=1)
     flags.DEFINE_integer("steps", 8, "decode steps timed", lower_bound=1)
     flags.DEFINE_integer("prefill_chunk", 512, "jlco engine.prefill_chunk", lower_bound=1)
-    flags.DEFINE_float("mem_gbps", 14.9, "memory bandwidth for the roofline (GB/s)")
-    flags.DEFINE_float("peak_gflops", 130.0, "f32 peak for the roofline (GFLOP/s)")
+    flags.DEFINE_float("mem_gbps", roofline.CPU_MEM_GBPS, "memory bandwidth for the roofline (GB/s)")
+    flags.DEFINE_float("peak_gflops", roofline.CPU_PEAK_GFLOPS, "f32 peak for the roofline (GFLOP/s)")
     flags.DEFINE_string("out", "out/vs_transformers", "directory for the JSON and PNG")
     flags.DEFINE_bool("json", False, "print the JSON to stdout (the table to stderr)")
 

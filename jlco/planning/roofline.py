@@ -57,9 +57,12 @@ from jlco.planning.params import layer_counts, param_counts
 from jlco.util.buckets import (MIN_PIECE, MIN_SCAN, WARMUP_QUERIES, piece_grid,  # noqa: F401
                                pow2_bucket, prompt_pieces)
 
-# This 2-core CPU box (measured; see tools/bench_decode.py --mem_gbps / --peak_gflops).
-CPU_MEM_GBPS = 14.9
-CPU_PEAK_GFLOPS = 130.0
+# This 2-core CPU box, measured with both cores by `jlco.planning.probe` (session 10,
+# tools/bench_vs_llamacpp.py): 45.9 GB/s reading a 143 MB working set (the models here
+# fit in its 480 MiB L3; 30.2 GB/s from DRAM at 2 GiB), 310 GFLOP/s in a 2048^3 f32
+# matmul. Before: 14.9 GB/s and 130 GFLOP/s, which understated the machine ~3x and ~2.4x.
+CPU_MEM_GBPS = 45.9
+CPU_PEAK_GFLOPS = 310.0
 
 
 @dataclasses.dataclass(frozen=True)

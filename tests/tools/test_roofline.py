@@ -85,7 +85,7 @@ def test_bad_arguments(batch, contexts, s_q, match):
 
 def test_machines():
     cpu = roofline.cpu_machine()
-    assert cpu.mem_bw == 14.9e9 and cpu.peak_flops == 130e9 and cpu.host_bw is None
+    assert cpu.mem_bw == 45.9e9 and cpu.peak_flops == 310e9 and cpu.host_bw is None
     h200 = roofline.hardware_machine("h200")
     assert h200.mem_bw == 4800e9 and h200.peak_flops == 989e12 and h200.host_bw == 64e9
     assert roofline.profile_for_device_kind("NVIDIA H200") == "h200"
