@@ -32,7 +32,7 @@ import functools
 import numpy as np
 
 from jlco.config import ModelConfig
-from jlco.planning import mtp, trace
+from jlco.planning import mtp, sensitivity, trace
 from jlco.planning.hardware import HardwareProfile, get_hardware
 from jlco.planning.mesh import MeshShape
 from jlco.planning.params import param_counts, weight_bytes
@@ -67,6 +67,24 @@ class Setup:
     row_bytes: int = 656
     key_bytes: int = 132
     kv_budget: float = ESS_KV_BUDGET
+    # Assumptions of the step model that no calibration row pins (all rows are at 32K);
+    # `jlco.planning.sensitivity` varies each. topk_passes: full reads of the indexer's
+    # f32 logits by top-k (ESS: DeepGEMM's logits kernel writes them, a separate top-k
+    # kernel reads them; a streaming block top-k reads once, a radix select twice: a
+    # histogram pass, then a collect pass; its later passes see only the boundary bin).
+    # indexer_overlap: the fraction of a layer's indexer time the H2D fetch can hide
+    # behind; the fetch needs the top-k that indexer computes, so with two micro-batches
+    # (DBA) only the second one's indexer runs while the first one's misses travel: 1/2.
+    # attention_overlap: the fraction of sparse-attention time it hides behind (DA:
+    # attention over resident rows runs while misses are in flight: all of it).
+    # indexer_mem_scale: the indexer's fraction of HBM bandwidth relative to the fitted
+    # mem_eff (1 = the same). The fit sees the indexer as 14-17 % of a 32K step, so
+    # mem_eff is mostly the weights' streaming; a long contiguous key scan may reach
+    # more of the bandwidth, and at 128K the keys are most of the step's bytes.
+    topk_passes: float = 1.0
+    indexer_overlap: float = 0.5
+    attention_overlap: float = 1.0
+    indexer_mem_scale: float = 1.0
 
     @property
     def s_q(self) -> int:
@@ -83,13 +101,21 @@ def _ops(m: ModelConfig, s: Setup, batch: int) -> dict[str, np.ndarray]:
     ffn_tok = np.where(moe, (m.num_experts_per_tok + m.n_shared_experts) * p["expert"],
                        p["dense_ffn"])
     attn = p["attention"] + p["indexer"]
+    # The terms that grow with context L, per full layer (every layer runs an indexer
+    # here), from `roofline.indexer_scores`: keys = B·L·key_bytes (each request's cached
+    # keys read once, shared by its s_q queries); flops = 2·H·D per (query, position),
+    # B·s_q·L of them; logits = the f32 score per (query, position), written once and
+    # read `topk_passes` times by the top-k selection over the whole context (a
+    # bandwidth-bound select: its compares are a few per element, far below the
+    # indexer's 2·H·D). The fourth context term, the H2D fetch, is in `step_parts`.
     idx = indexer_scores(m, s.key_bytes, (L,) * batch, s.s_q)
+    logits = 0.5 * idx["logits"] * (1.0 + s.topk_passes)
     hidden_bytes = m.num_experts_per_tok * m.hidden_size * 3  # fp8 dispatch + bf16 combine
     inter_node = 1.0 - s.gpus_per_node / s.ep if s.ep > s.gpus_per_node else 0.0
     return dict(
         gemm_f=2.0 * T * (attn + ffn_tok), gemm_b=n_mb * (attn + ffn_w) * np.ones(len(moe)),
         idx_f=float(idx["flops"]) * np.ones(len(moe)),
-        idx_b=float(idx["keys"] + idx["logits"]) * np.ones(len(moe)),
+        idx_b=float(idx["keys"] + logits) * np.ones(len(moe)),
         mla_f=2.0 * T * m.index_topk * m.num_attention_heads * (m.latent_dim + m.kv_lora_rank)
         * np.ones(len(moe)),
         comm_b=np.where(moe, T * hidden_bytes * inter_node, 0.0),
@@ -115,13 +141,19 @@ def step_parts(s: Setup, batch: int, misses: np.ndarray,
     o, hw = _ops(s.model, s, batch), s.hw
     fp8, bf16, bw = hw.flops("fp8"), hw.flops("bf16"), hw.hbm_bw
     gemm = np.maximum(o["gemm_f"] / (fp8 * ge), o["gemm_b"] / (bw * me))
-    idx = np.maximum(o["idx_f"] / (fp8 * ge), o["idx_b"] / (bw * me))
+    idx = np.maximum(o["idx_f"] / (fp8 * ge), o["idx_b"] / (bw * me * s.indexer_mem_scale))
     mla = o["mla_f"] / (bf16 * MLA_EFF)
     comm = o["comm_b"] / (s.net_gbps * 1e9 * ne)
     compute = gemm + idx + mla
     layer = np.maximum(compute, comm) if s.tbo else compute + comm
+    # Fetch volume: missed rows (per request per layer, from the LRU replay at the hot
+    # rows the budget leaves: `misses_at`, which grows with context as the keys take
+    # more of the budget and the top-k spreads over more positions) × row bytes over
+    # the host link. It waits for its own layer's top-k, so it hides only behind the
+    # sparse attention over resident rows and the other micro-batch's indexer
+    # (`Setup.attention_overlap`, `Setup.indexer_overlap`); the rest is exposed.
     xfer = ms * batch * misses * s.row_bytes / (s.h2d_gbps * 1e9)
-    exposed = np.maximum(0.0, xfer - (mla + 0.5 * idx))
+    exposed = np.maximum(0.0, xfer - (s.attention_overlap * mla + s.indexer_overlap * idx))
     per_layer = layer + exposed + oh * 1e-6
     head = np.maximum(o["head_f"] / (bf16 * ge), o["head_b"] / (bw * me))[..., 0]
     mtp_layer = np.maximum(o["mtp_f"] / (fp8 * ge), o["mtp_b"] / (bw * me))[..., 0]
@@ -332,10 +364,13 @@ def run(hardware: str = "h200", mesh: MeshShape | None = None) -> dict:
         rows.append((s, b, r))
     band = indexer_band(rows, [c["error_pct"] for c in calib], consts)
     budget = kv_budget_for(Setup().model, mesh)
-    preds = {}
+    preds, sens = {}, {}
     for name, ctx, drafts, acc in (("32k_mtp2_accept1.7", 32768, 2, 1.7),) + PREDICTIONS:
-        preds[name] = predict(Setup(hw=hw, context=ctx, num_draft=drafts, accept=acc,
-                                    ep=mesh.expert, kv_budget=budget), consts, band=band)
+        setup = Setup(hw=hw, context=ctx, num_draft=drafts, accept=acc, ep=mesh.expert,
+                      kv_budget=budget)
+        preds[name] = predict(setup, consts, band=band)
+        if name != "32k_mtp2_accept1.7":
+            sens[name] = sensitivity.sensitivity(setup, consts, predict)
     caps, mc = miss_curve(32768, 2048, 61, 3, 1.7)
     return dict(
         hardware=hw.as_dict(),
@@ -351,6 +386,7 @@ def run(hardware: str = "h200", mesh: MeshShape | None = None) -> dict:
         max_abs_calibration_error_pct=max(abs(c["error_pct"]) for c in calib),
         indexer_uncertainty=band,
         predictions={k: v for k, v in preds.items() if k != "32k_mtp2_accept1.7"},
+        sensitivity=sens,
         calibration_setup_curves=preds["32k_mtp2_accept1.7"],
         miss_curve_32k_mtp2=dict(capacities=caps.tolist(),
                                  misses_per_req_step_all_layers=mc.sum(0).tolist()))
@@ -418,4 +454,7 @@ def format_table(out: dict) -> str:
         if b:
             lines.append(f"{'':<22} offload tok/s band {b['node_tokens_s_lo']:.0f} .. "
                          f"{b['node_tokens_s_hi']:.0f}")
+    for name, sens in out.get("sensitivity", {}).items():
+        if name.startswith("128k"):
+            lines += sensitivity.format_rows(name, sens)
     return "\n".join(lines)
