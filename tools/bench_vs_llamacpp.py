@@ -12,7 +12,9 @@ pre-tokenizer check is bypassed (tokenization is never used).
 
 For each `--contexts` length and `--batches` size: `batch` random prompts of `context`
 tokens, then `--new_tokens` greedy tokens each. Measured per engine, after a warm-up round
-of the same shapes (jlco's compiles; llama.cpp's buffers), median of `--rounds`:
+of the same shapes (jlco's compiles; llama.cpp's buffers), median of `--rounds`; every
+round draws new prompts (both engines get the same ones), and jlco's prefix cache is off,
+so neither engine reuses a cached prompt (llama.cpp clears its KV cache each round):
   prefill  all prompts to their first token (jlco: `Engine.admit`, chunked as
            `engine.prefill_chunk`; llama.cpp: `llama_decode` over `n_batch`-token pieces);
   decode   tokens/s over the remaining steps (batch tokens per step) and the step p50.
@@ -220,7 +222,8 @@ class Jlco:
         mcfg, model, _ = load_model(ckpt, {"dtype": "float32"}, progress=False)
         self.cfg = base.replace(model=mcfg, engine__max_batch_size=batch,
                                 engine__max_context_len=context + FLAGS.new_tokens + 8,
-                                engine__prefill_chunk=FLAGS.prefill_chunk)
+                                engine__prefill_chunk=FLAGS.prefill_chunk,
+                                cache__prefix_cache=False)
         self.eng = Engine(self.cfg, model)
 
     def close(self) -> None:
@@ -238,12 +241,15 @@ class Jlco:
                     tokens=[list(r.tokens) for r in reqs])
 
 
-def measure(engine, prompts) -> dict:
-    """A warm-up round, then --rounds timed ones: medians, and the last round's tokens."""
-    engine.run(prompts)
-    rounds = [engine.run(prompts) for _ in range(FLAGS.rounds)]
+def measure(engine, rounds_prompts) -> dict:
+    """A warm-up round on the first prompts, then one timed round on each of the others
+    (new prompts every round: a repeated prompt would be a prefix-cache hit, not a
+    prefill): medians, and the last round's tokens."""
+    engine.run(rounds_prompts[0])
+    rounds = [engine.run(p) for p in rounds_prompts[1:]]
     prefill = float(np.median([r["prefill_s"] for r in rounds]))
     step = float(np.median([np.median(r["step_s"]) for r in rounds]))
+    prompts = rounds_prompts[-1]
     n = sum(len(p) for p in prompts)
     return dict(prefill_s=prefill, prefill_tok_s=n / prefill, step_ms=1e3 * step,
                 decode_tok_s=len(prompts) / step, tokens=rounds[-1]["tokens"])
@@ -253,7 +259,8 @@ def setting(ckpt: str, gguf: str, machine, context: int, batch: int) -> dict:
     from jlco.planning import roofline
     rng = np.random.default_rng(context * 10 + batch)
     jl = Jlco(ckpt, batch, context)
-    prompts = rng.integers(0, jl.cfg.model.vocab_size, (batch, context)).tolist()
+    prompts = [rng.integers(0, jl.cfg.model.vocab_size, (batch, context)).tolist()
+               for _ in range(FLAGS.rounds + 1)]
     try:
         ours = measure(jl, prompts)
     finally:
