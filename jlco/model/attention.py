@@ -54,41 +54,96 @@ def sparse_mla_dense(q, rows, positions, softmax_scale, *, kv_format, d_rope):
     Why: a chunk's s queries select overlapping rows, and XLA:CPU's gathered batched
     products move s·k·row bytes (300 MB per 512-token chunk and layer at k 256, f32
     rows) at a fraction of its matmul speed. For t ≤ DENSE_MAX_T one dense product is
-    faster; for decode (s = 1) and long contexts the gather is (`MLA.__call__` chooses)."""
+    faster; for decode (s = 1) and long contexts the gather is (`MLA.__call__` chooses).
+    `mla_dense_heads` is the same attention with the rows up-projected per head."""
     with jax.named_scope("sparse_mla_dense"):
-        b, t, _ = rows.shape
-        kv = decode_rows(kernel_rows(rows.reshape(b * t, -1), kv_format), kv_format, d_rope)
-        kv = kv.reshape(b, t, -1)                                            # [b,t,c+r]
+        kv = _dense_kv(rows, kv_format, d_rope)                                # [b,t,c+r]
         d_nope = kv.shape[-1] - d_rope
-        s_q = positions.shape[1]
-        tile = DENSE_TILE_S if s_q > DENSE_TILE_S and s_q % DENSE_TILE_S == 0 else s_q
 
-        def rows_of(args):          # one tile of queries: q [b,w,h,c+r], positions [b,w,k]
-            qt, pt = args
-            w = pt.shape[1]
-            bi = jnp.arange(b)[:, None, None]
-            si = jnp.arange(w)[None, :, None]
-            sel = jnp.zeros((b, w, t), bool).at[bi, si, jnp.where(pt >= 0, pt, t)
-                                                ].set(True, mode="drop")   # [b,w,t]
+        def attend(qt, sel):
             logits = jnp.einsum("bshd,btd->bsht", qt.astype(jnp.float32), kv) * softmax_scale
-            logits = jnp.where(sel[:, :, None, :], logits, -jnp.inf)
-            m = jnp.max(logits, axis=-1, keepdims=True)
-            p = jnp.exp(logits - jnp.where(jnp.isfinite(m), m, 0.0))
-            denom = jnp.sum(p, axis=-1)
             # Full row width, then slice the output (slicing kv copies it on XLA:CPU).
-            out = jnp.einsum("bsht,btd->bshd", p, kv)[..., :d_nope]
-            empty = denom == 0
-            return jnp.where(empty[..., None], 0.0,
-                             out / jnp.where(empty, 1.0, denom)[..., None]).astype(q.dtype)
+            return _masked_softmax_out(logits, sel, kv, q.dtype)[..., :d_nope]
 
-        if tile == s_q:
-            return rows_of((q, positions))
-        # A tile of queries at a time: the [b, s, h, t] scores of a whole 4,096-query
-        # chunk were the prefill's largest transient (the serve process's peak RSS).
-        n = s_q // tile
-        split = lambda x: jnp.moveaxis(x.reshape(b, n, tile, *x.shape[2:]), 1, 0)  # noqa: E731
-        out = jax.lax.map(rows_of, (split(q), split(positions)))               # [n,b,w,h,c]
-        return jnp.moveaxis(out, 0, 1).reshape(b, s_q, *out.shape[3:])
+        return _tiled(attend, (q,), positions, kv.shape[1])
+
+
+def mla_dense_heads(q_nope, q_rope, rows, positions, w_uk, w_uv, softmax_scale, *,
+                    kv_format, d_rope):
+    """`sparse_mla_dense` in the per-head form transformers computes (not absorbed): the
+    t cached latents are up-projected once per chunk to per-head keys k = c·W_UKᵀ and
+    values v = c·W_UVᵀ, and each query scores them over n + r dims and sums v dims,
+    instead of c + r and c in latent space. The same function (softmax over the
+    selected rows, then W_UV), another summation order. Per chunk and head it costs
+    t·(c·(n+v) + s·(n+r+v)) multiply-adds against s·t·(2c+r) absorbed: fewer once
+    s > c·(n+v) / (2c−n−v) (`heads_cheaper`; 171 queries at c 512, n 128, r 64, v 128;
+    1.9× fewer at a 512-token chunk).
+    q_nope [b,s,h,n], q_rope [b,s,h,r] (RoPE'd); rows [b,t,row]; positions [b,s,k];
+    w_uk [h,n,c], w_uv [h,v,c] → out [b,s,h,v] (W_UV applied: `MLA.post` skips it)."""
+    with jax.named_scope("mla_dense_heads"):
+        kv = _dense_kv(rows, kv_format, d_rope)                                # [b,t,c+r]
+        c = kv.shape[-1] - d_rope
+        latent, k_rope = kv[..., :c], kv[..., c:]
+        k_nope = jnp.einsum("btc,hnc->bthn", latent, w_uk.astype(jnp.float32))
+        v = jnp.einsum("btc,hvc->bthv", latent, w_uv.astype(jnp.float32))
+
+        def attend(qn, qr, sel):
+            logits = (jnp.einsum("bshn,bthn->bsht", qn.astype(jnp.float32), k_nope)
+                      + jnp.einsum("bshr,btr->bsht", qr.astype(jnp.float32), k_rope))
+            return _masked_softmax_out(logits * softmax_scale, sel, v, q_nope.dtype,
+                                       per_head=True)
+
+        return _tiled(attend, (q_nope, q_rope), positions, kv.shape[1])
+
+
+def heads_cheaper(s_q: int, c: int, n: int, v: int) -> bool:
+    """Whether `mla_dense_heads` does fewer FLOPs than `sparse_mla_dense` for a chunk of
+    s_q queries (latent rank c, nope dims n, value dims v)."""
+    return s_q * (2 * c - n - v) > c * (n + v)
+
+
+def _dense_kv(rows, kv_format, d_rope):
+    """One request's whole layer of rows [b,t,row] → f32 [b,t,c+r]."""
+    b, t, _ = rows.shape
+    kv = decode_rows(kernel_rows(rows.reshape(b * t, -1), kv_format), kv_format, d_rope)
+    return kv.reshape(b, t, -1)
+
+
+def _masked_softmax_out(logits, sel, vals, dtype, per_head=False):
+    """Softmax of logits [b,w,h,t] over the selected positions sel [b,w,t] and its sum of
+    vals ([b,t,d], or per head [b,t,h,d]) → [b,w,h,d] (zeros where nothing is selected)."""
+    logits = jnp.where(sel[:, :, None, :], logits, -jnp.inf)
+    m = jnp.max(logits, axis=-1, keepdims=True)
+    p = jnp.exp(logits - jnp.where(jnp.isfinite(m), m, 0.0))
+    denom = jnp.sum(p, axis=-1)
+    out = jnp.einsum("bsht,bthd->bshd" if per_head else "bsht,btd->bshd", p, vals)
+    empty = denom == 0
+    return jnp.where(empty[..., None], 0.0, out / jnp.where(empty, 1.0, denom)[..., None]
+                     ).astype(dtype)
+
+
+def _tiled(attend, qs, positions, t):
+    """attend(*query tiles, sel) over DENSE_TILE_S queries at a time (sel [b,w,t]: the
+    positions each query selected): the [b, s, h, t] scores of a whole 4,096-query chunk
+    were the prefill's largest transient (the serve process's peak RSS)."""
+    b, s_q = positions.shape[:2]
+    tile = DENSE_TILE_S if s_q > DENSE_TILE_S and s_q % DENSE_TILE_S == 0 else s_q
+
+    def one(args):              # one tile: queries [b,w,...], positions [b,w,k]
+        *qt, pt = args
+        w = pt.shape[1]
+        bi = jnp.arange(b)[:, None, None]
+        si = jnp.arange(w)[None, :, None]
+        sel = jnp.zeros((b, w, t), bool).at[bi, si, jnp.where(pt >= 0, pt, t)
+                                            ].set(True, mode="drop")        # [b,w,t]
+        return attend(*qt, sel)
+
+    if tile == s_q:
+        return one((*qs, positions))
+    n = s_q // tile
+    split = lambda x: jnp.moveaxis(x.reshape(b, n, tile, *x.shape[2:]), 1, 0)  # noqa: E731
+    out = jax.lax.map(one, tuple(split(x) for x in (*qs, positions)))          # [n,b,w,h,d]
+    return jnp.moveaxis(out, 0, 1).reshape(b, s_q, *out.shape[3:])
 
 
 DENSE_MAX_T = 4096    # cached positions up to which a prefill chunk attends densely

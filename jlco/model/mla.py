@@ -81,14 +81,18 @@ class MLA(nnx.Module):
 
     def queries(self, qr, cos, sin):
         """Absorbed queries [b,s,h,c+r] = [q_nope·W_UK | RoPE(q_rope)]."""
+        q_nope, q_rope = self.head_queries(qr, cos, sin)
+        q_abs = jnp.einsum("bshn,hnc->bshc", q_nope.astype(jnp.float32),
+                           self.kv_b_proj.w_uk[...].astype(jnp.float32))
+        return jnp.concatenate([q_abs.astype(q_nope.dtype), q_rope], axis=-1)
+
+    def head_queries(self, qr, cos, sin):
+        """Per-head queries before absorption: q_nope [b,s,h,n], RoPE(q_rope) [b,s,h,r]."""
         cfg = self.cfg
         b, s, _ = qr.shape
         q = self.q_b_proj(qr).reshape(b, s, cfg.num_attention_heads, cfg.qk_head_dim)
         q_nope, q_rope = jnp.split(q, [cfg.qk_nope_head_dim], axis=-1)
-        q_abs = jnp.einsum("bshn,hnc->bshc", q_nope.astype(jnp.float32),
-                           self.kv_b_proj.w_uk[...].astype(jnp.float32))
-        return jnp.concatenate([q_abs.astype(q.dtype), apply_rope_interleaved(q_rope, cos, sin)],
-                               axis=-1)
+        return q_nope, apply_rope_interleaved(q_rope, cos, sin)
 
     def pre(self, x, cos, sin):
         """Token-wise projections of one step (no cache access) → (latent rows
@@ -112,10 +116,31 @@ class MLA(nnx.Module):
 
     def post(self, out, dtype):
         """Latent-space attention output [b,s,h,c] → W_UV → o_proj → [b,s,d]."""
-        b, s = out.shape[:2]
         o = jnp.einsum("bshc,hvc->bshv", out.astype(jnp.float32),
                        self.kv_b_proj.w_uv[...].astype(jnp.float32))
+        return self.out(o, dtype)
+
+    def out(self, o, dtype):
+        """Per-head attention output [b,s,h,v] → o_proj → [b,s,d]."""
+        b, s = o.shape[:2]
         return self.o_proj(o.reshape(b, s, -1).astype(dtype))
+
+    def dense(self, x, cos, sin, q, rows, positions_k, kv_format: str):
+        """A prefill chunk's attention over its request's whole layer of rows [b,t,row]
+        (each query masked to its top-k), in whichever form costs fewer FLOPs for the
+        chunk (`attention.heads_cheaper`; the absorbed queries q are then unused and
+        XLA drops them) → [b,s,d]."""
+        cfg = self.cfg
+        kw = dict(kv_format=kv_format, d_rope=cfg.qk_rope_head_dim)
+        if not attention.heads_cheaper(q.shape[1], cfg.kv_lora_rank, cfg.qk_nope_head_dim,
+                                       cfg.v_head_dim):
+            out = attention.sparse_mla_dense(q, rows, positions_k, cfg.softmax_scale, **kw)
+            return self.post(out, x.dtype)
+        q_nope, q_rope = self.head_queries(self.q_a_layernorm(self.q_a_proj(x)), cos, sin)
+        o = attention.mla_dense_heads(q_nope, q_rope, rows, positions_k,
+                                      self.kv_b_proj.w_uk[...], self.kv_b_proj.w_uv[...],
+                                      cfg.softmax_scale, **kw)
+        return self.out(o, x.dtype)
 
     def write(self, cache: kv_cache.DecodeCache, layer, key_layer, latent, ik, positions):
         """This step's new latent rows [b,s,c+r] and indexer keys [b,s,D] into the cache
@@ -154,10 +179,8 @@ class MLA(nnx.Module):
             dense = kv_cache.dense_rows(cache, layer, q.shape[1])
             if dense is not None:   # a prefill chunk over a short context
                 cache = kv_cache.record_topk(cache, layer, positions_k)
-                out = attention.sparse_mla_dense(q, dense, positions_k, self.cfg.softmax_scale,
-                                                 kv_format=cache.kv_format,
-                                                 d_rope=self.cfg.qk_rope_head_dim)
-                return self.post(out, x.dtype), cache, Selected(positions_k, None)
+                return (self.dense(x, cos, sin, q, dense, positions_k, cache.kv_format),
+                        cache, Selected(positions_k, None))
             cache, rows, ids = kv_cache.latent_for_attention(cache, layer, positions_k,
                                                              shared_ids)
             out = self.attend(q, rows, ids, cache.kv_format, impl)
