@@ -82,8 +82,14 @@ class MLA(nnx.Module):
     def queries(self, qr, cos, sin):
         """Absorbed queries [b,s,h,c+r] = [q_nope·W_UK | RoPE(q_rope)]."""
         q_nope, q_rope = self.head_queries(qr, cos, sin)
-        q_abs = jnp.einsum("bshn,hnc->bshc", q_nope.astype(jnp.float32),
-                           self.kv_b_proj.w_uk[...].astype(jnp.float32))
+        b, s, h, n = q_nope.shape
+        # Head-major [h, b·s, n] × [h, n, c]: a batched product with the queries on the
+        # left. Written "bshn,hnc->bshc", XLA:CPU put W_UK on the left and contracted its
+        # non-minor axis: 1.8 ms vs 0.13 ms a layer at batch 4 (83 vs 67 µs at batch 1,
+        # 7.8 vs 4.0 ms for a 512-token chunk); the same bits.
+        qh = jnp.transpose(q_nope.astype(jnp.float32).reshape(b * s, h, n), (1, 0, 2))
+        q_abs = jnp.einsum("hmn,hnc->hmc", qh, self.kv_b_proj.w_uk[...].astype(jnp.float32))
+        q_abs = jnp.transpose(q_abs, (1, 0, 2)).reshape(b, s, h, -1)
         return jnp.concatenate([q_abs.astype(q_nope.dtype), q_rope], axis=-1)
 
     def head_queries(self, qr, cos, sin):
