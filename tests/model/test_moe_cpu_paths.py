@@ -24,7 +24,7 @@ def _inputs(n: int):
 
 
 def test_picked_experts_equal_dense_and_grouped_at_decode_batch():
-    experts, x, w, ids = _inputs(n=2)          # 4 assignments ≤ 16 / 4: the picked path
+    experts, x, w, ids = _inputs(n=3)          # 6 assignments ≤ 16 / 2: the picked path
     picked, dense, grouped = experts._picked(x, w, ids), experts._dense(x, w, ids), \
         experts._grouped(x, w, ids)
     np.testing.assert_allclose(picked, dense, rtol=1e-5, atol=1e-6)
@@ -33,7 +33,7 @@ def test_picked_experts_equal_dense_and_grouped_at_decode_batch():
 
 
 def test_many_tokens_run_every_expert():
-    experts, x, w, ids = _inputs(n=3)          # 6 assignments > 16 / 4: every expert runs
+    experts, x, w, ids = _inputs(n=9)          # 18 assignments > 8: every expert runs
     np.testing.assert_array_equal(experts(x, w, ids), experts._dense(x, w, ids))
     np.testing.assert_allclose(experts._picked(x, w, ids), experts._dense(x, w, ids),
                                rtol=1e-5, atol=1e-6)
