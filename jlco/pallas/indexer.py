@@ -324,7 +324,7 @@ def indexer_topk(q, weights, k_cache, lengths, topk, *, k_scale=None, key_format
 
 
 REF_BLOCK_ELEMS = 1 << 26   # f32 per-head logits [s_q, H, keys] of one key block (s_q < 16)
-REF_STEP_BLOCK = 16384      # most keys per block of a decode step's stream (s_q < 16)
+REF_STEP_BLOCK = 32768      # most keys per block of a decode step's stream (s_q < 16)
 REF_CHUNK_MIN_S = 16        # queries from which a call is a prefill chunk (tiled scoring)
 REF_CHUNK_BLOCK = 4096      # keys per block of a chunk's stream (one top-k merge each)
 REF_CHUNK_TILE = 128        # queries per tile of a chunk's block scores
@@ -337,7 +337,10 @@ def ref_key_block(s_q: int, heads: int, length: int, topk: int = 1) -> int:
     top-k merges (XLA:CPU's top-k costs 10 ns per element in rows of 1K, 7 ns in rows
     of 4K). Else (decode steps) s_q·H·block at most REF_BLOCK_ELEMS and block at most
     REF_STEP_BLOCK, at least 256 and `topk`: a step of 32 requests at 128K would
-    otherwise form 32 x [H, 128K] logits at once (1.1 GB on the tiny model). It depends
+    otherwise form 32 x [H, 128K] logits at once (1.1 GB on the tiny model). The cap was
+    16,384: a context just past it (16,408 keys) then ran a loop of one block plus a
+    24-key block, each copying its keys twice (a dynamic slice, then the transpose):
+    23.9 vs 19.8 ms a batch-1 step at 16K (configs/bench_llamacpp.py). It depends
     on the query shape only, never on the batch, so a micro-batch (the host-driven
     engine) scores with the same block shapes as the whole batch."""
     if s_q >= REF_CHUNK_MIN_S:
