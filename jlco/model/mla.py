@@ -81,7 +81,18 @@ class MLA(nnx.Module):
 
     def queries(self, qr, cos, sin):
         """Absorbed queries [b,s,h,c+r] = [q_nope·W_UK | RoPE(q_rope)]."""
-        q_nope, q_rope = self.head_queries(qr, cos, sin)
+        return self.absorb(*self.head_queries(qr, cos, sin))
+
+    def head_queries(self, qr, cos, sin):
+        """Per-head queries before absorption: q_nope [b,s,h,n], RoPE(q_rope) [b,s,h,r]."""
+        cfg = self.cfg
+        b, s, _ = qr.shape
+        q = self.q_b_proj(qr).reshape(b, s, cfg.num_attention_heads, cfg.qk_head_dim)
+        q_nope, q_rope = jnp.split(q, [cfg.qk_nope_head_dim], axis=-1)
+        return q_nope, apply_rope_interleaved(q_rope, cos, sin)
+
+    def absorb(self, q_nope, q_rope):
+        """Per-head queries → absorbed [b,s,h,c+r]."""
         b, s, h, n = q_nope.shape
         # Head-major [h, b·s, n] × [h, n, c]: a batched product with the queries on the
         # left. Written "bshn,hnc->bshc", XLA:CPU put W_UK on the left and contracted its
@@ -92,14 +103,6 @@ class MLA(nnx.Module):
         q_abs = jnp.transpose(q_abs, (1, 0, 2)).reshape(b, s, h, -1)
         return jnp.concatenate([q_abs.astype(q_nope.dtype), q_rope], axis=-1)
 
-    def head_queries(self, qr, cos, sin):
-        """Per-head queries before absorption: q_nope [b,s,h,n], RoPE(q_rope) [b,s,h,r]."""
-        cfg = self.cfg
-        b, s, _ = qr.shape
-        q = self.q_b_proj(qr).reshape(b, s, cfg.num_attention_heads, cfg.qk_head_dim)
-        q_nope, q_rope = jnp.split(q, [cfg.qk_nope_head_dim], axis=-1)
-        return q_nope, apply_rope_interleaved(q_rope, cos, sin)
-
     def pre(self, x, cos, sin):
         """Token-wise projections of one step (no cache access) → (latent rows
         [b,s,c+r], absorbed queries [b,s,h,c+r], indexer q [b,s,H,D], indexer key [b,s,D],
@@ -107,11 +110,17 @@ class MLA(nnx.Module):
         its top-k. The host-driven engine runs this phase on the whole batch, then
         selection and attention per micro-batch, so each phase is shared with `__call__`
         and both paths compute the same bits."""
+        latent, heads, iq, ik, iw = self.projections(x, cos, sin)
+        return latent, self.absorb(*heads), iq, ik, iw
+
+    def projections(self, x, cos, sin):
+        """`pre` with the queries per head, not yet absorbed ((q_nope, q_rope))."""
         qr = self.q_a_layernorm(self.q_a_proj(x))
+        heads = self.head_queries(qr, cos, sin)
         if self.indexer is None:
-            return self.latent(x, cos, sin), self.queries(qr, cos, sin), None, None, None
+            return self.latent(x, cos, sin), heads, None, None, None
         iq, ik, iw = self.indexer.project(x, qr, cos, sin)
-        return self.latent(x, cos, sin), self.queries(qr, cos, sin), iq, ik, iw
+        return self.latent(x, cos, sin), heads, iq, ik, iw
 
     def attend(self, q, rows, ids, kv_format: str, impl: str):
         """Sparse MLA over byte rows [n, R] addressed by ids [b,s,k] → latent-space
@@ -131,22 +140,23 @@ class MLA(nnx.Module):
         b, s = o.shape[:2]
         return self.o_proj(o.reshape(b, s, -1).astype(dtype))
 
-    def dense(self, x, cos, sin, q, rows, positions_k, kv_format: str):
+    def dense(self, heads, rows, positions_k, kv_format: str, dtype):
         """A prefill chunk's attention over its request's whole layer of rows [b,t,row]
-        (each query masked to its top-k), in whichever form costs fewer FLOPs for the
-        chunk (`attention.heads_cheaper`; the absorbed queries q are then unused and
-        XLA drops them) → [b,s,d]."""
+        (each query masked to its top-k), from its per-head queries (q_nope, q_rope), in
+        whichever form costs fewer FLOPs for the chunk (`attention.heads_cheaper`) →
+        [b,s,d]."""
         cfg = self.cfg
         kw = dict(kv_format=kv_format, d_rope=cfg.qk_rope_head_dim)
-        if not attention.heads_cheaper(q.shape[1], cfg.kv_lora_rank, cfg.qk_nope_head_dim,
-                                       cfg.v_head_dim):
-            out = attention.sparse_mla_dense(q, rows, positions_k, cfg.softmax_scale, **kw)
-            return self.post(out, x.dtype)
-        q_nope, q_rope = self.head_queries(self.q_a_layernorm(self.q_a_proj(x)), cos, sin)
+        q_nope, q_rope = heads
+        if not attention.heads_cheaper(q_nope.shape[1], cfg.kv_lora_rank,
+                                       cfg.qk_nope_head_dim, cfg.v_head_dim):
+            out = attention.sparse_mla_dense(self.absorb(q_nope, q_rope), rows, positions_k,
+                                             cfg.softmax_scale, **kw)
+            return self.post(out, dtype)
         o = attention.mla_dense_heads(q_nope, q_rope, rows, positions_k,
                                       self.kv_b_proj.w_uk[...], self.kv_b_proj.w_uv[...],
                                       cfg.softmax_scale, **kw)
-        return self.out(o, x.dtype)
+        return self.out(o, dtype)
 
     def write(self, cache: kv_cache.DecodeCache, layer, key_layer, latent, ik, positions):
         """This step's new latent rows [b,s,c+r] and indexer keys [b,s,D] into the cache
@@ -165,14 +175,15 @@ class MLA(nnx.Module):
 
     def __call__(self, x, cos, sin, cache: kv_cache.DecodeCache, layer: int,
                  positions, kernel_lengths, impl: str, topk=None):
-        """One MLA block of a step: `pre`, `write`, `select` (or, in a layer that shares
-        its top-k, the previous full layer's `topk`), then the selected rows
+        """One MLA block of a step: `projections` (`pre`, queries per head), `write`,
+        `select` (or, in a layer that shares its top-k, the previous full layer's
+        `topk`), then the selected rows
         (`kv_cache.latent_for_attention`: offloaded, misses fetched in the jit), `attend`
         and `post` → (output, cache, `Selected`: the top-k positions [b,s,k] used and
         the row ids they were read by, which a following shared layer reuses). The
         host-driven engine runs the same methods as separate phases."""
         with jax.named_scope("mla"):
-            latent, q, iq, ik, iw = self.pre(x, cos, sin)
+            latent, heads, iq, ik, iw = self.projections(x, cos, sin)
             cache = self.write(cache, layer, layer, latent, ik, positions)
             shared_ids = None
             if self.indexer is not None:
@@ -182,12 +193,12 @@ class MLA(nnx.Module):
                                  "earlier full layer's top-k was given")
             else:
                 positions_k, shared_ids = topk
-            dense = kv_cache.dense_rows(cache, layer, q.shape[1])
+            dense = kv_cache.dense_rows(cache, layer, x.shape[1])
             if dense is not None:   # a prefill chunk over a short context
                 cache = kv_cache.record_topk(cache, layer, positions_k)
-                return (self.dense(x, cos, sin, q, dense, positions_k, cache.kv_format),
+                return (self.dense(heads, dense, positions_k, cache.kv_format, x.dtype),
                         cache, Selected(positions_k, None))
             cache, rows, ids = kv_cache.latent_for_attention(cache, layer, positions_k,
                                                              shared_ids)
-            out = self.attend(q, rows, ids, cache.kv_format, impl)
+            out = self.attend(self.absorb(*heads), rows, ids, cache.kv_format, impl)
             return self.post(out, x.dtype), cache, Selected(positions_k, ids)

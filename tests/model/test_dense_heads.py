@@ -64,9 +64,9 @@ def test_mla_dense_uses_both_forms_with_one_result():
         x = jax.random.normal(jax.random.PRNGKey(s), (1, s, d), jnp.float32)
         pos = jax.random.randint(jax.random.PRNGKey(s + 1), (1, s, 8), 0, 64)
         cos_s, sin_s = (jnp.broadcast_to(a, (1, s, a.shape[-1])) for a in (cos, sin))
-        qr = mla.q_a_layernorm(mla.q_a_proj(x))
-        q = mla.queries(qr, cos_s, sin_s)
-        got = mla.dense(x, cos_s, sin_s, q, rows, pos, "f32")
+        hq = mla.head_queries(mla.q_a_layernorm(mla.q_a_proj(x)), cos_s, sin_s)
+        q = mla.absorb(*hq)
+        got = mla.dense(hq, rows, pos, "f32", x.dtype)
         want = mla.post(attention.sparse_mla_dense(q, rows, pos, CFG.softmax_scale,
                                                    kv_format="f32",
                                                    d_rope=CFG.qk_rope_head_dim), x.dtype)
