@@ -115,8 +115,9 @@ def _begin(graphdef, state, cache: DecodeCache, tokens, active):
 def _pre(spec, leaves, cache: DecodeCache, layer, x, cos, sin, positions):
     """Projections and the cache writes of `MLA.__call__` (`MLA.write`: the new latent
     row into the hot buffer — the host pool is outside the jit — and the indexer key).
-    → (cache, q, indexer q, indexer weights, host ids [b*s], row bytes [b*s, R]) for the
-    caller's `HostLatentPool.write`."""
+    → (cache, q, (indexer q, weights, key), host ids [b*s], row bytes [b*s, R]) for the
+    caller's `HostLatentPool.write`; the key goes to `_select` too, which scores it as
+    `MLA.__call__` does (`MLA.select`), so both paths compute the same bits."""
     block = _block(spec, leaves)
     latent, q, iq, ik, iw = block.pre(x, cos, sin)
     # `cache` is a `kv_cache.layer_view`: this layer's keys are its layer 0.
@@ -124,12 +125,12 @@ def _pre(spec, leaves, cache: DecodeCache, layer, x, cos, sin, positions):
     lat = cache.latent
     ids = host_row_ids(lat.page_table, positions, lat.page_size)
     data = kv_cache.encode_rows(latent, cache.kv_format, cache.d_rope)
-    return cache, q, iq, iw, ids.reshape(-1), data.reshape(-1, data.shape[-1])
+    return cache, q, (iq, iw, ik), ids.reshape(-1), data.reshape(-1, data.shape[-1])
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=2, static_argnames=("nb", "impl"))
-def _select(spec, leaves, cache: DecodeCache, layer, b0, iq, iw, kernel_lengths, topk=None,
-            slot_ids=None, *, nb: int, impl: str):
+def _select(spec, leaves, cache: DecodeCache, layer, b0, indexer_in, positions, kernel_lengths,
+            topk=None, slot_ids=None, *, nb: int, impl: str):
     """Micro-batch [b0, b0+nb): top-k (`MLA.select`; in a layer that shares its top-k,
     the last full layer's `topk` [nb,s,k] instead), the lookup half of
     `offload.latent.latent_for_attention` (`resolve_selection`) → (cache, slot ids
@@ -139,9 +140,10 @@ def _select(spec, leaves, cache: DecodeCache, layer, b0, iq, iw, kernel_lengths,
     record, no lookup, no miss list (None, None)."""
     if topk is None:
         view = kv_cache.batch_rows(cache, b0, nb)
+        iq, iw, ik = (_slice(a, b0, nb) for a in indexer_in)
         topk = _block(spec, leaves).self_attn.select(
-            view, 0, _slice(iq, b0, nb), _slice(iw, b0, nb), _slice(kernel_lengths, b0, nb),
-            impl)
+            view, 0, iq, iw, _slice(kernel_lengths, b0, nb), impl, ik,
+            _slice(positions, b0, nb))
     rec = cache.record
     if rec is not None and rec.shape[2:] == topk.shape[1:]:
         cache = dataclasses.replace(cache, record=rec.at[layer].set(
@@ -288,7 +290,8 @@ class HostDriven:
         (`group_layers`), so a shared layer only attends."""
         layer, shared = self._ids[i], self.cfg.model.shares_topk(i)
         full, cache = cache, kv_cache.layer_view(cache, i)
-        cache, q, iq, iw, new_ids, new_rows = _pre(gd, st, cache, layer, x, cos, sin, positions)
+        cache, q, indexer_in, new_ids, new_rows = _pre(gd, st, cache, layer, x, cos, sin,
+                                                       positions)
         self.pool.write(i, new_ids, new_rows)
         follow = follows(cache.latent, shared)
         members = group_layers(cache.latent, i)
@@ -296,7 +299,7 @@ class HostDriven:
         for j, (b0, nb) in enumerate(self.micro):
             prev, prev_ids = topk[j] if shared else (None, None)
             cache, slot_ids, miss_ids, dest, used = _select(
-                gd, st, cache, layer, self._b0[b0], iq, iw, lengths, prev,
+                gd, st, cache, layer, self._b0[b0], indexer_in, positions, lengths, prev,
                 prev_ids if follow else None, nb=nb, impl=self.impl)
             topk[j] = (used, slot_ids)
             selected.append((b0, nb, slot_ids, miss_ids, dest))

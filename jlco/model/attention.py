@@ -163,14 +163,27 @@ def sparse_mla(q, kv_cache, indices, softmax_scale, *, kv_format, d_rope, impl="
 
 
 def indexer_topk(q, weights, k_cache, lengths, topk, *, k_scale=None, key_format="bf16",
-                 impl="auto"):
+                 impl="auto", fresh=None):
     """Lightning-indexer top-k. q [b,s,h,d], weights [b,s,h] (all scales folded in),
     k_cache [b,t,d] float (uint8 e4m3 bytes + k_scale [b,t] f32 when key_format='fp8'),
     lengths [b] including the s new tokens → (indices [b,s,topk] positions, −1 pad;
-    scores)."""
+    scores). `fresh` (keys, scales, positions [b,s]): keys k_cache need not hold yet
+    (`jlco.pallas.indexer.indexer_topk_ref`; only where `fresh_keys_first`)."""
     _check("impl", impl, dispatch.IMPLS)
     _check("key_format", key_format, _KEY_FORMATS)
     if key_format == "fp8" and k_scale is None:
         raise ValueError("indexer_topk: key_format='fp8' needs k_scale")
     return dispatch.indexer_topk(q, weights, k_cache, lengths, topk, k_scale=k_scale,
-                                 key_format=key_format, impl=impl)
+                                 key_format=key_format, impl=impl, fresh=fresh)
+
+
+def fresh_keys_first(impl: str, s_q: int) -> bool:
+    """Whether a step of s_q queries scores the cached keys before writing its own
+    (passing them as `fresh`): where the plain-XLA indexer runs a decode-sized step
+    (impl "xla", or "auto" on a CPU backend; s_q below the chunk size). XLA:CPU then
+    reads the key cache in place and updates it after; written first, the update and
+    the read of one buffer cost it a copy of every layer's keys a step. The kernels
+    read the cache as written (`dispatch.indexer_topk`), so elsewhere the order stays."""
+    from jlco.pallas.indexer import REF_CHUNK_MIN_S
+    cpu = impl == "xla" or (impl == "auto" and jax.default_backend() == "cpu")
+    return cpu and s_q < REF_CHUNK_MIN_S

@@ -55,12 +55,15 @@ class Indexer(nnx.Module):
             w = self.weights_proj(x.astype(jnp.float32)) * scale
         return q, k, w
 
-    def topk(self, q, w, keys, k_scale, kernel_lengths, key_format: str, impl: str):
-        """Top-k positions [b,s,topk] (−1 pad) of queries q/w over cached keys [b,t,D].
-        Separate from `__call__` so the host-driven engine can run selection per
-        micro-batch (every request's top-k depends on its own keys only)."""
+    def topk(self, q, w, keys, k_scale, kernel_lengths, key_format: str, impl: str,
+             fresh=None):
+        """Top-k positions [b,s,topk] (−1 pad) of queries q/w over cached keys [b,t,D]
+        (and `fresh` ones, `attention.indexer_topk`). Separate from `__call__` so the
+        host-driven engine can run selection per micro-batch (every request's top-k
+        depends on its own keys only)."""
         idx, _ = attention.indexer_topk(q, w, keys, kernel_lengths, self.cfg.index_topk,
-                                        k_scale=k_scale, key_format=key_format, impl=impl)
+                                        k_scale=k_scale, key_format=key_format, impl=impl,
+                                        fresh=fresh)
         return idx
 
     def __call__(self, x, qr, cos, sin, cache: kv_cache.DecodeCache, layer: int,

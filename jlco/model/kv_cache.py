@@ -193,19 +193,43 @@ def dense_rows(cache: DecodeCache, layer: int, s_q: int) -> jax.Array | None:
     return rows if t == rows.shape[1] else rows[:, :t]
 
 
+def _encode_index_key(cache: DecodeCache, layer: int, k: jax.Array):
+    """Keys [b, s, D] as the cache stores them → (values, scales [b, s] or None)."""
+    if cache.key_format == "fp8":
+        q, scale = quantize_e4m3(k, block=k.shape[-1])
+        return jax.lax.bitcast_convert_type(q, jnp.uint8), scale[..., 0]
+    if cache.index_k[layer].dtype == jnp.float32:
+        return k.astype(jnp.float32), None
+    return jax.lax.bitcast_convert_type(k.astype(jnp.bfloat16), jnp.uint16), None
+
+
+def fresh_index_keys(cache: DecodeCache, layer: int, k: jax.Array, positions: jax.Array):
+    """Keys [b, s, D] at positions [b, s] in the form `index_keys` gives cached ones:
+    `indexer_topk`'s `fresh` (keys, scales or None, positions)."""
+    vals, scale = _encode_index_key(cache, layer, k)
+    if vals.dtype == jnp.uint16:
+        vals = jax.lax.bitcast_convert_type(vals, jnp.bfloat16)
+    return vals, scale, positions
+
+
 def write_index_key(cache: DecodeCache, layer: int, k: jax.Array,
-                    positions: jax.Array) -> DecodeCache:
-    """Store indexer keys [b, s, D] (already rotated if the model emulates fp8)."""
+                    positions: jax.Array, after: jax.Array | None = None) -> DecodeCache:
+    """Store indexer keys [b, s, D] (already rotated if the model emulates fp8).
+
+    `after`: int32 values that are never below −1 (top-k positions) computed from reads
+    of this layer's keys; the write then depends on them, so XLA orders it after those
+    reads and updates the buffer in place (with no data dependency between a read and
+    an in-place update of one buffer, XLA:CPU copies the buffer). The offset added to
+    the positions, (after < −1), is always 0."""
     with jax.named_scope("write_index_key"):
-        if cache.key_format == "fp8":
-            q, scale = quantize_e4m3(k, block=k.shape[-1])
-            bits = jax.lax.bitcast_convert_type(q, jnp.uint8)
+        if after is not None:
+            flag = jax.lax.optimization_barrier(after).reshape(-1)[0] < -1
+            positions = positions + flag.astype(positions.dtype)
+        vals, scale = _encode_index_key(cache, layer, k)
+        if scale is not None:
             return dataclasses.replace(
-                cache, index_k=_scatter(cache.index_k, layer, positions, bits),
-                index_scale=_scatter(cache.index_scale, layer, positions, scale[..., 0]))
-        dt = cache.index_k[layer].dtype
-        vals = (k.astype(jnp.float32) if dt == jnp.float32 else
-                jax.lax.bitcast_convert_type(k.astype(jnp.bfloat16), jnp.uint16))
+                cache, index_k=_scatter(cache.index_k, layer, positions, vals),
+                index_scale=_scatter(cache.index_scale, layer, positions, scale))
         return dataclasses.replace(cache, index_k=_scatter(cache.index_k, layer, positions, vals))
 
 

@@ -161,17 +161,26 @@ class MLA(nnx.Module):
     def write(self, cache: kv_cache.DecodeCache, layer, key_layer, latent, ik, positions):
         """This step's new latent rows [b,s,c+r] and indexer keys [b,s,D] into the cache
         at positions [b,s] (`key_layer`: the keys' layer index, 0 in a `layer_view`;
-        ik None: a layer that shares its top-k, which caches no keys)."""
+        ik None: no keys to write — a layer that shares its top-k caches none, and
+        `__call__` writes them after selection where `attention.fresh_keys_first`)."""
         cache = kv_cache.write_latent(cache, layer, latent, positions,
                                       shared=self.indexer is None)
         if ik is None:
             return cache
         return kv_cache.write_index_key(cache, key_layer, ik, positions)
 
-    def select(self, cache: kv_cache.DecodeCache, key_layer, iq, iw, kernel_lengths, impl: str):
-        """The indexer's top-k positions [b,s,k] over the cached keys of `key_layer`."""
+    def select(self, cache: kv_cache.DecodeCache, key_layer, iq, iw, kernel_lengths, impl: str,
+               ik=None, positions=None):
+        """The indexer's top-k positions [b,s,k] over the cached keys of `key_layer`. With
+        `ik` (this step's keys [b,s,D] at positions [b,s]) where
+        `attention.fresh_keys_first`: those positions are scored from `ik`, written to the
+        cache or not; elsewhere the cache must hold them."""
         keys, scale = kv_cache.index_keys(cache, key_layer)
-        return self.indexer.topk(iq, iw, keys, scale, kernel_lengths, cache.key_format, impl)
+        fresh = None
+        if ik is not None and attention.fresh_keys_first(impl, iq.shape[1]):
+            fresh = kv_cache.fresh_index_keys(cache, key_layer, ik, positions)
+        return self.indexer.topk(iq, iw, keys, scale, kernel_lengths, cache.key_format, impl,
+                                 fresh)
 
     def __call__(self, x, cos, sin, cache: kv_cache.DecodeCache, layer: int,
                  positions, kernel_lengths, impl: str, topk=None):
@@ -184,10 +193,17 @@ class MLA(nnx.Module):
         host-driven engine runs the same methods as separate phases."""
         with jax.named_scope("mla"):
             latent, heads, iq, ik, iw = self.projections(x, cos, sin)
-            cache = self.write(cache, layer, layer, latent, ik, positions)
+            # Keys scored before they are written (`attention.fresh_keys_first`), the
+            # write then ordered after the read (`write_index_key`'s `after`).
+            first = ik is not None and attention.fresh_keys_first(impl, x.shape[1])
+            cache = self.write(cache, layer, layer, latent, None if first else ik, positions)
             shared_ids = None
             if self.indexer is not None:
-                positions_k = self.select(cache, layer, iq, iw, kernel_lengths, impl)
+                positions_k = self.select(cache, layer, iq, iw, kernel_lengths, impl,
+                                          ik, positions)
+                if first:
+                    cache = kv_cache.write_index_key(cache, layer, ik, positions,
+                                                     after=positions_k)
             elif topk is None:
                 raise ValueError(f"layer {layer} shares its top-k (indexer_types) but no "
                                  "earlier full layer's top-k was given")

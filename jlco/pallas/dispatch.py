@@ -113,21 +113,25 @@ def sparse_mla(q, kv_cache, indices, softmax_scale, *, kv_format, d_rope, impl="
 
 @functools.partial(jax.jit, static_argnames=("topk", "key_format", "impl"))
 def indexer_topk(q, weights, k_cache, lengths, topk, *, k_scale=None, key_format="bf16",
-                 impl="auto"):
+                 impl="auto", fresh=None):
     """Lightning-indexer top-k: (indices [b, s_q, topk] int32, scores [b, s_q, topk] f32);
-    see `jlco.pallas.indexer` for the contract."""
+    see `jlco.pallas.indexer` for the contract (`fresh`: `indexer_topk_ref`; a kernel
+    is given the cache with the fresh keys written, `write_fresh`)."""
     _check_impl(impl)
-    args = (q, weights, k_cache, lengths, topk)
-    kw = dict(k_scale=k_scale, key_format=key_format)
-    ref = functools.partial(ix.indexer_topk_ref, *args, **kw)
+    ref = functools.partial(ix.indexer_topk_ref, q, weights, k_cache, lengths, topk,
+                            k_scale=k_scale, key_format=key_format, fresh=fresh)
     if impl == "xla":
         return ref()
     backend = {"cuda": "triton", "tpu": "mosaic", "cpu": "triton"}
 
     def kernel_for(platform):
         # indexer.py reads tuning.lookup for `platform` itself (block_n=None).
-        return functools.partial(ix.indexer_topk, *args, **kw, backend=backend[platform],
-                                 interpret=platform == "cpu")
+        def run():
+            keys, scale = ix.write_fresh(k_cache, k_scale, fresh)
+            return ix.indexer_topk(q, weights, keys, lengths, topk, k_scale=scale,
+                                   key_format=key_format, backend=backend[platform],
+                                   interpret=platform == "cpu")
+        return run
 
     with jax.named_scope("dispatch_indexer_topk"):
         return _per_platform("indexer_topk", kernel_for, ref, impl)

@@ -389,25 +389,50 @@ def _chunk_scores(qc, wf, kb, sb):
     return out.transpose(1, 0, 2, 3).reshape(b, s_q, kb.shape[1])
 
 
-def _ref_block_scores(ops, k_scale, lengths, lo, width, s_q):
-    """Masked scores [b, s_q, width] f32 of keys lo .. lo+width (lo may be traced)."""
+def _raw_scores(qc, wf, kb, sb, s_q):
+    """Unmasked Σ_h w_h · ReLU(q_h · k) [b, s_q, n] of keys kb [b, n, D] (scales sb)."""
+    if s_q >= REF_CHUNK_MIN_S:
+        return _chunk_scores(qc, wf, kb, sb)
+    # Keys on the left: [n, D] contracting its minor axis is the row-major operand
+    # XLA:CPU's dot takes as is; with the queries on the left it first copied the keys
+    # into [D, n] every step (1.2 ms a layer at 16K on the 2-core box).
+    logits = jnp.einsum("bsd,bthd->bsth", kb, qc, precision=jax.lax.Precision.HIGHEST,
+                        preferred_element_type=jnp.float32)
+    if sb is not None:
+        logits = logits * sb[:, :, None, None]
+    return jnp.einsum("bsth,bth->bts", jnp.maximum(logits, 0.0), wf,
+                      precision=jax.lax.Precision.HIGHEST)
+
+
+def _fresh_scores(ops, fresh):
+    """(scores [b, s_q, s] of the fresh keys, their positions [b, s]) or None."""
+    if fresh is None:
+        return None
+    qc, wf, _, cdt = ops
+    keys, scale, positions = fresh
+    if keys.dtype == jnp.uint8:
+        keys = jax.lax.bitcast_convert_type(keys, jnp.float8_e4m3fn)
+    sb = None if scale is None else scale.astype(jnp.float32)
+    return _raw_scores(qc, wf, keys.astype(cdt), sb, qc.shape[1]), positions.astype(jnp.int32)
+
+
+def _ref_block_scores(ops, k_scale, lengths, lo, width, s_q, fresh=None):
+    """Masked scores [b, s_q, width] f32 of keys lo .. lo+width (lo may be traced);
+    `fresh` (`_fresh_scores`): those positions take the fresh keys' scores."""
     qc, wf, k, cdt = ops
     kb = jax.lax.dynamic_slice_in_dim(k, lo, width, axis=1).astype(cdt)
     sb = None
     if k_scale is not None:
         sb = jax.lax.dynamic_slice_in_dim(k_scale, lo, width, axis=1).astype(jnp.float32)
-    if s_q >= REF_CHUNK_MIN_S:
-        scores = _chunk_scores(qc, wf, kb, sb)
-    else:
-        logits = jnp.einsum("bthd,bsd->bths", qc, kb, precision=jax.lax.Precision.HIGHEST,
-                            preferred_element_type=jnp.float32)
-        if sb is not None:
-            logits = logits * sb[:, None, None, :]
-        scores = jnp.einsum("bths,bth->bts", jnp.maximum(logits, 0.0), wf,
-                            precision=jax.lax.Precision.HIGHEST)
+    scores = _raw_scores(qc, wf, kb, sb, s_q)
+    cols = lo + jnp.arange(width)
+    if fresh is not None:
+        f_scores, f_pos = fresh
+        for j in range(f_pos.shape[1]):
+            hit = cols[None, None, :] == f_pos[:, j, None, None]
+            scores = jnp.where(hit, f_scores[:, :, j:j + 1], scores)
     p = lengths.astype(jnp.int32)[:, None, None] - s_q + jnp.arange(s_q)[None, :, None]
-    visible = (lo + jnp.arange(width))[None, None, :] <= p
-    return jnp.where(visible, scores, _NEG_INF)
+    return jnp.where(cols[None, None, :] <= p, scores, _NEG_INF)
 
 
 def indexer_scores_ref(q, weights, k_cache, lengths, *, k_scale=None, key_format="bf16"):
@@ -436,7 +461,7 @@ def _merge_block(carry, scores, lo, topk):
     return v, jnp.take_along_axis(jnp.concatenate([idx, pos], axis=-1), j, axis=-1)
 
 
-def _stream_topk(ops, k_scale, lengths, topk, length, blk, s_q):
+def _stream_topk(ops, k_scale, lengths, topk, length, blk, s_q, fresh):
     """Top-k over the key blocks with a running top-k: memory is one block's logits and
     scores, whatever the context (a 4096-query chunk over 128K keys would otherwise
     hold a [4096, 128K] score row, and XLA:CPU kept every block's logits live at once)."""
@@ -446,7 +471,8 @@ def _stream_topk(ops, k_scale, lengths, topk, length, blk, s_q):
 
     def body(i, c):
         lo = i * blk
-        return _merge_block(c, _ref_block_scores(ops, k_scale, lengths, lo, blk, s_q), lo, topk)
+        return _merge_block(c, _ref_block_scores(ops, k_scale, lengths, lo, blk, s_q, fresh),
+                            lo, topk)
 
     # Blocks wholly past every request's length hold no visible key: skipped (the scan
     # bucket can be twice the longest context).
@@ -457,7 +483,8 @@ def _stream_topk(ops, k_scale, lengths, topk, length, blk, s_q):
     if length % blk:
         lo = n_full * blk
         carry = jax.lax.cond(longest > lo, lambda c: _merge_block(
-            c, _ref_block_scores(ops, k_scale, lengths, lo, length - lo, s_q), lo, topk),
+            c, _ref_block_scores(ops, k_scale, lengths, lo, length - lo, s_q, fresh), lo,
+            topk),
             lambda c: c, carry)
     vals, idx = carry
     valid = vals > _NEG_INF
@@ -467,18 +494,55 @@ def _stream_topk(ops, k_scale, lengths, topk, length, blk, s_q):
 @functools.partial(jax.jit, static_argnames=("topk", "key_format", "block_n", "backend",
                                              "interpret"))
 def indexer_topk_ref(q, weights, k_cache, lengths, topk, *, k_scale=None, key_format="bf16",
-                     block_n=None, backend="auto", interpret=False):
+                     block_n=None, backend="auto", interpret=False, fresh=None):
     """Plain-jnp reference of `indexer_topk` (same contract; block/backend args ignored).
     One key block: the whole score row and `select_topk`; more: streamed blocks with a
-    running top-k (`_stream_topk`), the same positions and scores."""
+    running top-k (`_stream_topk`), the same positions and scores.
+
+    `fresh` = (keys [b, s, D] in k_cache's dtype, scales [b, s] with fp8 else None,
+    positions [b, s]): the keys at those positions, whether or not k_cache holds them
+    yet (`write_fresh`); their scores come from `fresh`. A decode step scores the cache
+    as it was before its own keys are written, so XLA:CPU reads the cache buffer in
+    place and then updates it in place (see `jlco.model.mla`)."""
     del block_n, backend, interpret
     _validate(q, weights, k_cache, lengths, topk, k_scale, key_format)
+    _validate_fresh(fresh, k_cache)
     b, s_q, heads = q.shape[:3]
     length = k_cache.shape[1]
     ops = _ref_operands(q, weights, k_cache, key_format)
     scale = k_scale if key_format == "fp8" else None
     blk = ref_key_block(s_q, heads, length, topk)
     with jax.named_scope("indexer_topk_ref"):
+        f = _fresh_scores(ops, fresh)
         if blk >= length:
-            return select_topk(_ref_block_scores(ops, scale, lengths, 0, length, s_q), topk)
-        return _stream_topk(ops, scale, lengths, topk, length, blk, s_q)
+            return select_topk(_ref_block_scores(ops, scale, lengths, 0, length, s_q, f), topk)
+        return _stream_topk(ops, scale, lengths, topk, length, blk, s_q, f)
+
+
+def _validate_fresh(fresh, k_cache):
+    if fresh is None:
+        return
+    keys, scale, positions = fresh
+    b, _, d = k_cache.shape
+    if keys.ndim != 3 or keys.shape[0] != b or keys.shape[2] != d or keys.dtype != k_cache.dtype:
+        raise ValueError(f"fresh keys must be {k_cache.dtype}[b={b}, s, D={d}] like k_cache; "
+                         f"got {keys.dtype}{keys.shape}")
+    if positions.shape != keys.shape[:2] or not jnp.issubdtype(positions.dtype, jnp.integer):
+        raise ValueError(f"fresh positions must be integers [b, s]={keys.shape[:2]}; "
+                         f"got {positions.dtype}{positions.shape}")
+    if (scale is None) != (keys.dtype != jnp.uint8) or (
+            scale is not None and scale.shape != keys.shape[:2]):
+        raise ValueError("fresh scales [b, s] are needed with (and only with) fp8 keys")
+
+
+def write_fresh(k_cache, k_scale, fresh):
+    """k_cache (and k_scale) with the `fresh` keys written at their positions (positions
+    past the end dropped): what a kernel, which reads only k_cache, is given."""
+    if fresh is None:
+        return k_cache, k_scale
+    keys, scale, positions = fresh
+    bidx = jnp.broadcast_to(jnp.arange(positions.shape[0])[:, None], positions.shape)
+    k_cache = k_cache.at[bidx, positions].set(keys, mode="drop")
+    if scale is not None:
+        k_scale = k_scale.at[bidx, positions].set(scale, mode="drop")
+    return k_cache, k_scale
