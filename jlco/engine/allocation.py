@@ -168,14 +168,14 @@ def prefill_workspace_bytes(cfg: Config) -> int:
     one-request [1, max_len] cache each (`jlco.engine.prefill.open_cache`) and one chunk's
     working set. With the plain-XLA ops (`engine.attention_impl` "xla", what "auto" is
     on CPU): the indexer's streamed key block (its scores [chunk, block] f32,
-    `jlco.pallas.indexer.ref_key_block`, merged with the running top-k; the per-head
+    `jlco.pallas.indexer_ref.ref_key_block`, merged with the running top-k; the per-head
     logits are formed a query tile at a time) and the top-k latent rows the chunk's
     queries attend over, gathered and decoded to f32. With the kernels: the indexer's
     score row [chunk, max_len] f32 (sparse MLA reads its rows in the kernel). The engine
     runs one prefill at a time, and a short one beside it (`prefill.next_job`): two
     caches and one working set are the whole prefill workspace."""
     from jlco.pallas import dispatch
-    from jlco.pallas.indexer import ref_key_block
+    from jlco.pallas.indexer_ref import ref_key_block
     m, chunk, ctx = cfg.model, cfg.engine.prefill_chunk, cfg.engine.max_context_len
     one = jax.eval_shape(lambda: init_cache(cfg, batch=1, max_len=ctx))
     if dispatch.resolve(cfg.engine.attention_impl) != "xla":

@@ -168,7 +168,7 @@ def indexer_topk(q, weights, k_cache, lengths, topk, *, k_scale=None, key_format
     k_cache [b,t,d] float (uint8 e4m3 bytes + k_scale [b,t] f32 when key_format='fp8'),
     lengths [b] including the s new tokens → (indices [b,s,topk] positions, −1 pad;
     scores). `fresh` (keys, scales, positions [b,s]): keys k_cache need not hold yet
-    (`jlco.pallas.indexer.indexer_topk_ref`; only where `fresh_keys_first`)."""
+    (`jlco.pallas.indexer_ref.indexer_topk_ref`; only where `fresh_keys_first`)."""
     _check("impl", impl, dispatch.IMPLS)
     _check("key_format", key_format, _KEY_FORMATS)
     if key_format == "fp8" and k_scale is None:
@@ -184,6 +184,6 @@ def fresh_keys_first(impl: str, s_q: int) -> bool:
     reads the key cache in place and updates it after; written first, the update and
     the read of one buffer cost it a copy of every layer's keys a step. The kernels
     read the cache as written (`dispatch.indexer_topk`), so elsewhere the order stays."""
-    from jlco.pallas.indexer import REF_CHUNK_MIN_S
+    from jlco.pallas.indexer_ref import REF_CHUNK_MIN_S
     cpu = impl == "xla" or (impl == "auto" and jax.default_backend() == "cpu")
     return cpu and s_q < REF_CHUNK_MIN_S

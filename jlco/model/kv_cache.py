@@ -245,7 +245,7 @@ def prefill_scan(n: int, max_len: int) -> int | None:
     bucket while the chunk may attend densely (`dense_rows`: at most DENSE_MAX_T
     positions), else None (all max_len). Past that the bucket would only bound the
     indexer's key scan, and the indexer skips key blocks past every request's length
-    itself (`jlco.pallas.indexer`), so a prefill compiles for 4 scan shapes per chunk
+    itself (`jlco.pallas.indexer_ref`), so a prefill compiles for 4 scan shapes per chunk
     width instead of one per power of two up to max_len."""
     from jlco.model.attention import DENSE_MAX_T
     b = scan_bucket(n, max_len)

@@ -24,6 +24,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
 from jlco.pallas import indexer as ix
+from jlco.pallas import indexer_ref as ixr
 from jlco.pallas import sparse_mla as smla
 from jlco.pallas import tuning
 
@@ -118,7 +119,7 @@ def indexer_topk(q, weights, k_cache, lengths, topk, *, k_scale=None, key_format
     see `jlco.pallas.indexer` for the contract (`fresh`: `indexer_topk_ref`; a kernel
     is given the cache with the fresh keys written, `write_fresh`)."""
     _check_impl(impl)
-    ref = functools.partial(ix.indexer_topk_ref, q, weights, k_cache, lengths, topk,
+    ref = functools.partial(ixr.indexer_topk_ref, q, weights, k_cache, lengths, topk,
                             k_scale=k_scale, key_format=key_format, fresh=fresh)
     if impl == "xla":
         return ref()
@@ -127,7 +128,7 @@ def indexer_topk(q, weights, k_cache, lengths, topk, *, k_scale=None, key_format
     def kernel_for(platform):
         # indexer.py reads tuning.lookup for `platform` itself (block_n=None).
         def run():
-            keys, scale = ix.write_fresh(k_cache, k_scale, fresh)
+            keys, scale = ixr.write_fresh(k_cache, k_scale, fresh)
             return ix.indexer_topk(q, weights, keys, lengths, topk, k_scale=scale,
                                    key_format=key_format, backend=backend[platform],
                                    interpret=platform == "cpu")

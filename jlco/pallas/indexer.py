@@ -29,14 +29,14 @@ from jlco.pallas import tuning
 
 KEY_FORMATS = ("bf16", "fp8")
 BACKENDS = ("auto", "triton", "mosaic")
-_NEG_INF = float("-inf")
+NEG_INF = float("-inf")
 
 
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def _validate(q, weights, k_cache, lengths, topk, k_scale, key_format):
+def validate(q, weights, k_cache, lengths, topk, k_scale, key_format):
     """Shape/dtype checks with messages that name the argument: a wrong layout here would
     otherwise surface as an opaque Pallas block-shape error or as silently wrong scores."""
     if key_format not in KEY_FORMATS:
@@ -69,7 +69,7 @@ def _validate(q, weights, k_cache, lengths, topk, k_scale, key_format):
             raise ValueError("k_scale is only allowed with key_format='fp8'")
 
 
-def _compute_dtype(q_dtype, k_dtype):
+def compute_dtype(q_dtype, k_dtype):
     """Both MMA operands share one dtype; fp8 keys are exact in bf16."""
     if k_dtype == jnp.uint8:
         k_dtype = jnp.bfloat16
@@ -110,7 +110,7 @@ def _score_tile(length, n0, sub, qs, ws, k_ref, s_ref, o_ref, *, s_q, block_n,
                 logits = logits * scale
             acc = acc + jnp.sum(w * jnp.maximum(logits, 0.0), axis=0, keepdims=True)
         visible = pos <= length - s_q + t
-        o_ref[pl.ds(t, 1), cols] = jnp.where(visible, acc, _NEG_INF)
+        o_ref[pl.ds(t, 1), cols] = jnp.where(visible, acc, NEG_INF)
 
 
 def _score_body(length, q_ref, w_ref, k_ref, s_ref, o_ref, *, s_q, n_heads, block_h,
@@ -138,7 +138,7 @@ def _score_body(length, q_ref, w_ref, k_ref, s_ref, o_ref, *, s_q, n_heads, bloc
         @pl.when(n0 >= length)
         def _skip():
             o_ref[:, pl.ds(sub * block_n, block_n)] = jnp.full(
-                (s_q, block_n), _NEG_INF, jnp.float32)
+                (s_q, block_n), NEG_INF, jnp.float32)
         return carry
 
     if steps == 1:
@@ -207,7 +207,7 @@ def _score_call(q, weights, k_cache, lengths, k_scale, *, style, blocks, interpr
     q, w, k, scale, lp = _prepare(q, weights, k_cache, k_scale, block_h=block_h,
                                   block_n=window, pad_pow2=style == "triton", int_fp8=int_fp8)
     hp, dp = q.shape[2], q.shape[3]
-    cdt = _compute_dtype(q.dtype, k_cache.dtype)
+    cdt = compute_dtype(q.dtype, k_cache.dtype)
     kw = dict(s_q=s_q, n_heads=hp, block_h=block_h, block_n=block_n, steps=steps,
               compute_dtype=cdt, int_fp8=int_fp8)
     grid = (b, lp // window)
@@ -271,7 +271,7 @@ def _blocks(platform, q, k_cache, key_format, block_n):
 def indexer_scores(q, weights, k_cache, lengths, *, k_scale=None, key_format="bf16",
                    block_n=None, backend="auto", interpret=False):
     """Masked indexer scores [b, s_q, L] f32 (-inf where a key is not visible)."""
-    _validate(q, weights, k_cache, lengths, 1, k_scale, key_format)
+    validate(q, weights, k_cache, lengths, 1, k_scale, key_format)
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is invalid: allowed {BACKENDS}")
     lengths = lengths.astype(jnp.int32)
@@ -300,11 +300,11 @@ def select_topk(scores, topk):
     b, s_q, length = scores.shape
     if topk > length:
         scores = jnp.pad(scores, ((0, 0), (0, 0), (0, topk - length)),
-                         constant_values=_NEG_INF)
+                         constant_values=NEG_INF)
     with jax.named_scope("indexer_select"):
         vals, idx = jax.lax.top_k(scores, topk)
-    valid = vals > _NEG_INF
-    return jnp.where(valid, idx, -1).astype(jnp.int32), jnp.where(valid, vals, _NEG_INF)
+    valid = vals > NEG_INF
+    return jnp.where(valid, idx, -1).astype(jnp.int32), jnp.where(valid, vals, NEG_INF)
 
 
 @functools.partial(jax.jit, static_argnames=("topk", "key_format", "block_n", "backend",
@@ -316,233 +316,8 @@ def indexer_topk(q, weights, k_cache, lengths, topk, *, k_scale=None, key_format
     `weights` already carry every scale (w * H^-0.5 * D^-0.5); query t of request b sits at
     position lengths[b] - s_q + t and sees keys 0..that position.
     """
-    _validate(q, weights, k_cache, lengths, topk, k_scale, key_format)
+    validate(q, weights, k_cache, lengths, topk, k_scale, key_format)
     scores = indexer_scores(q, weights, k_cache, lengths, k_scale=k_scale,
                             key_format=key_format, block_n=block_n, backend=backend,
                             interpret=interpret)
     return select_topk(scores, topk)
-
-
-REF_BLOCK_ELEMS = 1 << 26   # f32 per-head logits [s_q, H, keys] of one key block (s_q < 16)
-REF_STEP_BLOCK = 32768      # most keys per block of a decode step's stream (s_q < 16)
-REF_CHUNK_MIN_S = 16        # queries from which a call is a prefill chunk (tiled scoring)
-REF_CHUNK_BLOCK = 4096      # keys per block of a chunk's stream (one top-k merge each)
-REF_CHUNK_TILE = 128        # queries per tile of a chunk's block scores
-
-
-def ref_key_block(s_q: int, heads: int, length: int, topk: int = 1) -> int:
-    """Keys per block of the reference's stream, a power of two at most `length`. For
-    prefill chunks (s_q >= REF_CHUNK_MIN_S) REF_CHUNK_BLOCK (at least `topk`): scores
-    are formed in tiles (`_chunk_scores`), so the block only sets how often the running
-    top-k merges (XLA:CPU's top-k costs 10 ns per element in rows of 1K, 7 ns in rows
-    of 4K). Else (decode steps) s_q·H·block at most REF_BLOCK_ELEMS and block at most
-    REF_STEP_BLOCK, at least 256 and `topk`: a step of 32 requests at 128K would
-    otherwise form 32 x [H, 128K] logits at once (1.1 GB on the tiny model). The cap was
-    16,384: a context just past it (16,408 keys) then ran a loop of one block plus a
-    24-key block, each copying its keys twice (a dynamic slice, then the transpose):
-    23.9 vs 19.8 ms a batch-1 step at 16K (configs/bench_llamacpp.py). It depends
-    on the query shape only, never on the batch, so a micro-batch (the host-driven
-    engine) scores with the same block shapes as the whole batch."""
-    if s_q >= REF_CHUNK_MIN_S:
-        blk = max(REF_CHUNK_BLOCK, topk)
-    else:
-        blk = max(256, min(REF_BLOCK_ELEMS // max(1, s_q * heads), REF_STEP_BLOCK), topk)
-    return min(1 << (blk.bit_length() - 1), length)
-
-
-def _ref_operands(q, weights, k_cache, key_format):
-    """(queries, weights f32, keys) in the reference's compute dtypes."""
-    cdt = _compute_dtype(q.dtype, k_cache.dtype)
-    if key_format == "fp8":
-        k = jax.lax.bitcast_convert_type(k_cache, jnp.float8_e4m3fn)
-    else:
-        k = k_cache
-    return q.astype(cdt), weights.astype(jnp.float32), k, cdt
-
-
-def _head_scores(qc, wf, kb, sb):
-    """Σ_h w_h · ReLU(q_h · k) [b, t, n] for a few queries [b, t, H, D] against keys
-    kb [b, n, D] (scales sb [b, n] or None), one head at a time: each head's [t, n]
-    logits stay in cache and are consumed as they are made (one einsum over all heads
-    writes [t, H, n] to memory and reads it back: 4x slower on a 2-core CPU)."""
-    acc = None
-    for h in range(qc.shape[2]):
-        logits = jnp.einsum("btd,bsd->bts", qc[:, :, h], kb, precision=jax.lax.Precision.HIGHEST,
-                            preferred_element_type=jnp.float32)
-        if sb is not None:
-            logits = logits * sb[:, None, :]
-        term = jnp.maximum(logits, 0.0) * wf[:, :, h, None]
-        acc = term if acc is None else acc + term
-    return acc
-
-
-def _chunk_scores(qc, wf, kb, sb):
-    """`_head_scores` of a chunk's queries, REF_CHUNK_TILE queries at a time (the
-    largest power of two up to it that divides s_q) → [b, s_q, n]."""
-    b, s_q, heads, d = qc.shape
-    tq = 1
-    while tq * 2 <= REF_CHUNK_TILE and s_q % (tq * 2) == 0:
-        tq *= 2
-    qt = qc.reshape(b, s_q // tq, tq, heads, d).transpose(1, 0, 2, 3, 4)
-    wt = wf.reshape(b, s_q // tq, tq, heads).transpose(1, 0, 2, 3)
-    out = jax.lax.map(lambda a: _head_scores(a[0], a[1], kb, sb), (qt, wt))   # [n, b, tq, w]
-    return out.transpose(1, 0, 2, 3).reshape(b, s_q, kb.shape[1])
-
-
-def _raw_scores(qc, wf, kb, sb, s_q):
-    """Unmasked Σ_h w_h · ReLU(q_h · k) [b, s_q, n] of keys kb [b, n, D] (scales sb)."""
-    if s_q >= REF_CHUNK_MIN_S:
-        return _chunk_scores(qc, wf, kb, sb)
-    # Keys on the left: [n, D] contracting its minor axis is the row-major operand
-    # XLA:CPU's dot takes as is; with the queries on the left it first copied the keys
-    # into [D, n] every step (1.2 ms a layer at 16K on the 2-core box).
-    logits = jnp.einsum("bsd,bthd->bsth", kb, qc, precision=jax.lax.Precision.HIGHEST,
-                        preferred_element_type=jnp.float32)
-    if sb is not None:
-        logits = logits * sb[:, :, None, None]
-    return jnp.einsum("bsth,bth->bts", jnp.maximum(logits, 0.0), wf,
-                      precision=jax.lax.Precision.HIGHEST)
-
-
-def _fresh_scores(ops, fresh):
-    """(scores [b, s_q, s] of the fresh keys, their positions [b, s]) or None."""
-    if fresh is None:
-        return None
-    qc, wf, _, cdt = ops
-    keys, scale, positions = fresh
-    if keys.dtype == jnp.uint8:
-        keys = jax.lax.bitcast_convert_type(keys, jnp.float8_e4m3fn)
-    sb = None if scale is None else scale.astype(jnp.float32)
-    return _raw_scores(qc, wf, keys.astype(cdt), sb, qc.shape[1]), positions.astype(jnp.int32)
-
-
-def _ref_block_scores(ops, k_scale, lengths, lo, width, s_q, fresh=None):
-    """Masked scores [b, s_q, width] f32 of keys lo .. lo+width (lo may be traced);
-    `fresh` (`_fresh_scores`): those positions take the fresh keys' scores."""
-    qc, wf, k, cdt = ops
-    kb = jax.lax.dynamic_slice_in_dim(k, lo, width, axis=1).astype(cdt)
-    sb = None
-    if k_scale is not None:
-        sb = jax.lax.dynamic_slice_in_dim(k_scale, lo, width, axis=1).astype(jnp.float32)
-    scores = _raw_scores(qc, wf, kb, sb, s_q)
-    cols = lo + jnp.arange(width)
-    if fresh is not None:
-        f_scores, f_pos = fresh
-        for j in range(f_pos.shape[1]):
-            hit = cols[None, None, :] == f_pos[:, j, None, None]
-            scores = jnp.where(hit, f_scores[:, :, j:j + 1], scores)
-    p = lengths.astype(jnp.int32)[:, None, None] - s_q + jnp.arange(s_q)[None, :, None]
-    return jnp.where(cols[None, None, :] <= p, scores, _NEG_INF)
-
-
-def indexer_scores_ref(q, weights, k_cache, lengths, *, k_scale=None, key_format="bf16"):
-    """Plain-jnp masked scores [b, s_q, L] f32, the reference for `indexer_scores`: the
-    per-head logits are formed a key block at a time (`ref_key_block`); blocking the keys
-    changes no reduction (those run over D and H). The whole [b, s_q, L] row is returned:
-    for tests and small shapes; `indexer_topk_ref` never forms it."""
-    _validate(q, weights, k_cache, lengths, 1, k_scale, key_format)
-    b, s_q, heads = q.shape[:3]
-    length = k_cache.shape[1]
-    ops = _ref_operands(q, weights, k_cache, key_format)
-    scale = k_scale if key_format == "fp8" else None
-    blk = ref_key_block(s_q, heads, length)
-    return jnp.concatenate([_ref_block_scores(ops, scale, lengths, lo, min(blk, length - lo), s_q)
-                            for lo in range(0, length, blk)], axis=-1)
-
-
-def _merge_block(carry, scores, lo, topk):
-    """Running top-k (vals, positions) merged with one block's scores [b, s_q, w]. The
-    running entries come first and hold lower positions, and `lax.top_k` keeps the
-    lower index of equal values, so the order is the whole row's: descending score,
-    ties to the lower position."""
-    vals, idx = carry
-    pos = jnp.broadcast_to(lo + jnp.arange(scores.shape[-1], dtype=jnp.int32), scores.shape)
-    v, j = jax.lax.top_k(jnp.concatenate([vals, scores], axis=-1), topk)
-    return v, jnp.take_along_axis(jnp.concatenate([idx, pos], axis=-1), j, axis=-1)
-
-
-def _stream_topk(ops, k_scale, lengths, topk, length, blk, s_q, fresh):
-    """Top-k over the key blocks with a running top-k: memory is one block's logits and
-    scores, whatever the context (a 4096-query chunk over 128K keys would otherwise
-    hold a [4096, 128K] score row, and XLA:CPU kept every block's logits live at once)."""
-    b = lengths.shape[0]
-    carry = (jnp.full((b, s_q, topk), _NEG_INF, jnp.float32),
-             jnp.full((b, s_q, topk), -1, jnp.int32))
-
-    def body(i, c):
-        lo = i * blk
-        return _merge_block(c, _ref_block_scores(ops, k_scale, lengths, lo, blk, s_q, fresh),
-                            lo, topk)
-
-    # Blocks wholly past every request's length hold no visible key: skipped (the scan
-    # bucket can be twice the longest context).
-    n_full = length // blk
-    longest = jnp.max(lengths).astype(jnp.int32)
-    live = jnp.clip((longest + blk - 1) // blk, 0, n_full)
-    carry = jax.lax.fori_loop(0, live, body, carry)
-    if length % blk:
-        lo = n_full * blk
-        carry = jax.lax.cond(longest > lo, lambda c: _merge_block(
-            c, _ref_block_scores(ops, k_scale, lengths, lo, length - lo, s_q, fresh), lo,
-            topk),
-            lambda c: c, carry)
-    vals, idx = carry
-    valid = vals > _NEG_INF
-    return jnp.where(valid, idx, -1), jnp.where(valid, vals, _NEG_INF)
-
-
-@functools.partial(jax.jit, static_argnames=("topk", "key_format", "block_n", "backend",
-                                             "interpret"))
-def indexer_topk_ref(q, weights, k_cache, lengths, topk, *, k_scale=None, key_format="bf16",
-                     block_n=None, backend="auto", interpret=False, fresh=None):
-    """Plain-jnp reference of `indexer_topk` (same contract; block/backend args ignored).
-    One key block: the whole score row and `select_topk`; more: streamed blocks with a
-    running top-k (`_stream_topk`), the same positions and scores.
-
-    `fresh` = (keys [b, s, D] in k_cache's dtype, scales [b, s] with fp8 else None,
-    positions [b, s]): the keys at those positions, whether or not k_cache holds them
-    yet (`write_fresh`); their scores come from `fresh`. A decode step scores the cache
-    as it was before its own keys are written, so XLA:CPU reads the cache buffer in
-    place and then updates it in place (see `jlco.model.mla`)."""
-    del block_n, backend, interpret
-    _validate(q, weights, k_cache, lengths, topk, k_scale, key_format)
-    _validate_fresh(fresh, k_cache)
-    b, s_q, heads = q.shape[:3]
-    length = k_cache.shape[1]
-    ops = _ref_operands(q, weights, k_cache, key_format)
-    scale = k_scale if key_format == "fp8" else None
-    blk = ref_key_block(s_q, heads, length, topk)
-    with jax.named_scope("indexer_topk_ref"):
-        f = _fresh_scores(ops, fresh)
-        if blk >= length:
-            return select_topk(_ref_block_scores(ops, scale, lengths, 0, length, s_q, f), topk)
-        return _stream_topk(ops, scale, lengths, topk, length, blk, s_q, f)
-
-
-def _validate_fresh(fresh, k_cache):
-    if fresh is None:
-        return
-    keys, scale, positions = fresh
-    b, _, d = k_cache.shape
-    if keys.ndim != 3 or keys.shape[0] != b or keys.shape[2] != d or keys.dtype != k_cache.dtype:
-        raise ValueError(f"fresh keys must be {k_cache.dtype}[b={b}, s, D={d}] like k_cache; "
-                         f"got {keys.dtype}{keys.shape}")
-    if positions.shape != keys.shape[:2] or not jnp.issubdtype(positions.dtype, jnp.integer):
-        raise ValueError(f"fresh positions must be integers [b, s]={keys.shape[:2]}; "
-                         f"got {positions.dtype}{positions.shape}")
-    if (scale is None) != (keys.dtype != jnp.uint8) or (
-            scale is not None and scale.shape != keys.shape[:2]):
-        raise ValueError("fresh scales [b, s] are needed with (and only with) fp8 keys")
-
-
-def write_fresh(k_cache, k_scale, fresh):
-    """k_cache (and k_scale) with the `fresh` keys written at their positions (positions
-    past the end dropped): what a kernel, which reads only k_cache, is given."""
-    if fresh is None:
-        return k_cache, k_scale
-    keys, scale, positions = fresh
-    bidx = jnp.broadcast_to(jnp.arange(positions.shape[0])[:, None], positions.shape)
-    k_cache = k_cache.at[bidx, positions].set(keys, mode="drop")
-    if scale is not None:
-        k_scale = k_scale.at[bidx, positions].set(scale, mode="drop")
-    return k_cache, k_scale

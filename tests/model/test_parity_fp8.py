@@ -21,7 +21,7 @@ from jlco.model import fp8_emul, kv_cache, prefill
 from jlco.model.decoder import DeepseekV32
 from jlco.model.indexer import Indexer
 from jlco.model.layers import rope_cos_sin
-from jlco.pallas.indexer import indexer_scores_ref
+from jlco.pallas.indexer_ref import indexer_scores_ref
 
 CFG = load_config("configs/tiny.py")
 S = 40

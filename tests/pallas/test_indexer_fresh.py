@@ -18,6 +18,7 @@ from jlco.engine.inputs import StepInputs
 from jlco.model.decoder import DeepseekV32
 from jlco.pallas import dispatch
 from jlco.pallas import indexer as ix
+from jlco.pallas import indexer_ref as ixr
 
 
 def _fresh(k, scale, positions, seed):
@@ -38,21 +39,21 @@ def test_fresh_keys_score_as_if_written(monkeypatch, key_format, s_q, streamed):
     # Ragged batch: request 1's fresh positions run past the end of the cache (dropped,
     # like the write drops them) and request 2's step is its first tokens.
     if streamed:
-        monkeypatch.setattr(ix, "REF_BLOCK_ELEMS", s_q * 8 * 256)      # blocks of 256 keys
+        monkeypatch.setattr(ixr, "REF_BLOCK_ELEMS", s_q * 8 * 256)      # blocks of 256 keys
     q, w, k, scale = _inputs(3, b=3, s_q=s_q, h=8, d=64, length=700, key_format=key_format)
     lengths = jnp.asarray([650, 700 + s_q - 1, s_q], jnp.int32)
     positions = lengths[:, None] - s_q + jnp.arange(s_q)[None]
     fresh = _fresh(k, scale, positions, 4)
     fmt = "fp8" if key_format == "fp8" else "bf16"
-    written, wscale = ix.write_fresh(k, scale, fresh)
+    written, wscale = ixr.write_fresh(k, scale, fresh)
     assert not np.array_equal(np.asarray(written), np.asarray(k))
-    want = ix.indexer_topk_ref.__wrapped__(q, w, written, lengths, 64, k_scale=wscale,
+    want = ixr.indexer_topk_ref.__wrapped__(q, w, written, lengths, 64, k_scale=wscale,
                                            key_format=fmt)
-    got = ix.indexer_topk_ref.__wrapped__(q, w, k, lengths, 64, k_scale=scale,
+    got = ixr.indexer_topk_ref.__wrapped__(q, w, k, lengths, 64, k_scale=scale,
                                           key_format=fmt, fresh=fresh)
     _check(got, want, np.asarray(lengths), s_q, 64)
     # keys already written: the same again (the host-driven engine writes first)
-    again = ix.indexer_topk_ref.__wrapped__(q, w, written, lengths, 64, k_scale=wscale,
+    again = ixr.indexer_topk_ref.__wrapped__(q, w, written, lengths, 64, k_scale=wscale,
                                             key_format=fmt, fresh=fresh)
     for a, b in zip(again, got):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
@@ -80,7 +81,7 @@ def test_bad_fresh_keys_are_named(bad, match):
     lengths = jnp.asarray([64], jnp.int32)
     fresh = bad(*_fresh(k, None, jnp.asarray([[62, 63]], jnp.int32), 2))
     with pytest.raises(ValueError, match=match):
-        ix.indexer_topk_ref(q, w, k, lengths, 8, key_format="bf16", fresh=fresh)
+        ixr.indexer_topk_ref(q, w, k, lengths, 8, key_format="bf16", fresh=fresh)
 
 
 @pytest.mark.parametrize("batch", [1, 4])

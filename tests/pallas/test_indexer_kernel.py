@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from jlco.pallas import indexer as ix
+from jlco.pallas import indexer_ref as ixr
 
 STYLES = ("triton", "mosaic")
 
@@ -66,7 +67,7 @@ def test_kernel_matches_ref(style, case):
                              key_format=fmt)
     lengths = jnp.asarray(lengths, jnp.int32)
     key_format = "fp8" if fmt == "fp8" else "bf16"
-    ref = ix.indexer_topk_ref(q, w, k, lengths, topk, k_scale=scale, key_format=key_format)
+    ref = ixr.indexer_topk_ref(q, w, k, lengths, topk, k_scale=scale, key_format=key_format)
     out = ix.indexer_topk(q, w, k, lengths, topk, k_scale=scale, key_format=key_format,
                           block_n=block_n, backend=style, interpret=True)
     _check(out, ref, lengths, s_q, topk)
@@ -75,7 +76,7 @@ def test_kernel_matches_ref(style, case):
 def test_auto_backend_on_cpu_runs_interpret_kernel():
     q, w, k, _ = _inputs(7, b=2, s_q=2, h=8, d=32, length=128, key_format="f32")
     lengths = jnp.asarray([128, 60], jnp.int32)
-    ref = ix.indexer_topk_ref(q, w, k, lengths, 16)
+    ref = ixr.indexer_topk_ref(q, w, k, lengths, 16)
     out = ix.indexer_topk(q, w, k, lengths, 16)
     _check(out, ref, lengths, 2, 16)
 
@@ -130,7 +131,7 @@ def test_block_shapes_do_not_change_scores(style, blocks):
     q, w, k, _ = _inputs(11, b=2, s_q=2, h=32, d=32, length=384, key_format="f32")
     lengths = jnp.asarray([384, 90], jnp.int32)
     got = ix._score_call(q, w, k, lengths, None, style=style, blocks=blocks, interpret=True)
-    want = ix.indexer_scores_ref(q, w, k, lengths)
+    want = ixr.indexer_scores_ref(q, w, k, lengths)
     chex.assert_shape(got, want.shape)   # [b, s_q, L]
     # interpret-mode kernel vs jnp reference, f32 throughout: only the summation order over
     # tiles (multi-step programs, split head blocks) differs.
@@ -147,9 +148,9 @@ def test_reference_key_blocks_give_the_same_scores(monkeypatch, key_format):
     # of its equalities (offload on / off, served / alone) run the same shapes.
     q, w, k, scale = _inputs(3, b=2, s_q=4, h=8, d=32, length=3000, key_format=key_format)
     lengths = jnp.asarray([3000, 1700], jnp.int32)
-    whole = ix.indexer_scores_ref(q, w, k, lengths, k_scale=scale, key_format=key_format)
-    monkeypatch.setattr(ix, "REF_BLOCK_ELEMS", 4 * 8 * 1024)   # blocks of 1024 keys
-    blocked = ix.indexer_scores_ref(q, w, k, lengths, k_scale=scale, key_format=key_format)
+    whole = ixr.indexer_scores_ref(q, w, k, lengths, k_scale=scale, key_format=key_format)
+    monkeypatch.setattr(ixr, "REF_BLOCK_ELEMS", 4 * 8 * 1024)   # blocks of 1024 keys
+    blocked = ixr.indexer_scores_ref(q, w, k, lengths, k_scale=scale, key_format=key_format)
     np.testing.assert_array_equal(np.isinf(blocked), np.isinf(whole))   # the same masked keys
     chex.assert_trees_all_close(blocked, whole, rtol=1e-6, atol=1e-5)
 
@@ -169,13 +170,13 @@ def test_streamed_topk_equals_the_whole_row(monkeypatch, key_format, topk, longe
     if scale is not None:
         scale = scale.at[:, 1700:1900].set(scale[:, 100:300])
     lengths = jnp.asarray([longest, 250], jnp.int32)
-    monkeypatch.setattr(ix, "REF_BLOCK_ELEMS", s_q * 8 * 512)           # blocks of 512 keys
-    monkeypatch.setattr(ix, "REF_CHUNK_BLOCK", 512)
-    monkeypatch.setattr(ix, "REF_CHUNK_TILE", 8)
-    assert ix.ref_key_block(s_q, 8, 2600, topk) == 512
-    got = ix.indexer_topk_ref.__wrapped__(q, w, k, lengths, topk, k_scale=scale,
+    monkeypatch.setattr(ixr, "REF_BLOCK_ELEMS", s_q * 8 * 512)           # blocks of 512 keys
+    monkeypatch.setattr(ixr, "REF_CHUNK_BLOCK", 512)
+    monkeypatch.setattr(ixr, "REF_CHUNK_TILE", 8)
+    assert ixr.ref_key_block(s_q, 8, 2600, topk) == 512
+    got = ixr.indexer_topk_ref.__wrapped__(q, w, k, lengths, topk, k_scale=scale,
                                           key_format=key_format)
-    scores = ix.indexer_scores_ref(q, w, k, lengths, k_scale=scale, key_format=key_format)
+    scores = ixr.indexer_scores_ref(q, w, k, lengths, k_scale=scale, key_format=key_format)
     want = ix.select_topk(scores, topk)
     np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
     np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
@@ -187,9 +188,9 @@ def test_chunk_scores_in_tiles_equal_one_einsum(key_format):
     # Prefill chunks score one head at a time in query tiles (4x faster on XLA:CPU);
     # only the summation order over heads differs from the all-heads einsum.
     q, w, k, scale = _inputs(8, b=1, s_q=32, h=16, d=32, length=700, key_format=key_format)
-    ops = ix._ref_operands(q, w, k, "fp8" if key_format == "fp8" else "bf16")
+    ops = ixr._ref_operands(q, w, k, "fp8" if key_format == "fp8" else "bf16")
     lengths = jnp.asarray([700], jnp.int32)
-    tiled = ix._ref_block_scores(ops, scale, lengths, 0, 700, 32)
+    tiled = ixr._ref_block_scores(ops, scale, lengths, 0, 700, 32)
     kf = ops[2].astype(jnp.float32)
     logits = jnp.einsum("bthd,bsd->bths", q, kf, precision="highest")
     if scale is not None:

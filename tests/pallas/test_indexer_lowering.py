@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from jlco.pallas import indexer as ix
+from jlco.pallas import indexer_ref as ixr
 
 B, H, D, L, TOPK = 2, 64, 128, 131072, 2048
 CUSTOM_CALL = {"cuda": "__gpu$xla.gpu.triton", "tpu": "tpu_custom_call"}
@@ -64,7 +65,7 @@ def test_real_shape_on_accelerator(key_format):
         k = keys.astype(jnp.bfloat16)
     lengths = jnp.asarray([L, 70000], jnp.int32)
     idx, sc = ix.indexer_topk(q, w, k, lengths, TOPK, k_scale=scale, key_format=key_format)
-    ridx, rsc = ix.indexer_topk_ref(q, w, k, lengths, TOPK, k_scale=scale,
+    ridx, rsc = ixr.indexer_topk_ref(q, w, k, lengths, TOPK, k_scale=scale,
                                     key_format=key_format)
     chex.assert_shape([idx, sc], (B, s_q, TOPK))
     chex.assert_type([idx, sc], [jnp.int32, jnp.float32])
