@@ -42,14 +42,17 @@ def ref_key_block(s_q: int, heads: int, length: int, topk: int = 1) -> int:
     return min(1 << (blk.bit_length() - 1), length)
 
 
+def _float_keys(k):
+    """Keys as floats: uint8 e4m3 bytes (key_format 'fp8') viewed as float8_e4m3fn."""
+    return jax.lax.bitcast_convert_type(k, jnp.float8_e4m3fn) if k.dtype == jnp.uint8 else k
+
+
 def _ref_operands(q, weights, k_cache, key_format):
-    """(queries, weights f32, keys) in the reference's compute dtypes."""
+    """(queries, weights f32, keys) in the reference's compute dtypes (`validate` has
+    checked that fp8 keys, and only they, are uint8)."""
+    del key_format
     cdt = compute_dtype(q.dtype, k_cache.dtype)
-    if key_format == "fp8":
-        k = jax.lax.bitcast_convert_type(k_cache, jnp.float8_e4m3fn)
-    else:
-        k = k_cache
-    return q.astype(cdt), weights.astype(jnp.float32), k, cdt
+    return q.astype(cdt), weights.astype(jnp.float32), _float_keys(k_cache), cdt
 
 
 def _head_scores(qc, wf, kb, sb):
@@ -102,10 +105,9 @@ def _fresh_scores(ops, fresh):
         return None
     qc, wf, _, cdt = ops
     keys, scale, positions = fresh
-    if keys.dtype == jnp.uint8:
-        keys = jax.lax.bitcast_convert_type(keys, jnp.float8_e4m3fn)
     sb = None if scale is None else scale.astype(jnp.float32)
-    return _raw_scores(qc, wf, keys.astype(cdt), sb, qc.shape[1]), positions.astype(jnp.int32)
+    return (_raw_scores(qc, wf, _float_keys(keys).astype(cdt), sb, qc.shape[1]),
+            positions.astype(jnp.int32))
 
 
 def _ref_block_scores(ops, k_scale, lengths, lo, width, s_q, fresh=None):
