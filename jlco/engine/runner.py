@@ -35,6 +35,7 @@ from jlco.engine.inputs import DecodeOutput, StepInputs, alternatives
 from jlco.engine.prefill import WARMUP_QUERIES, PrefillJob
 from jlco.engine.scheduler import Request
 from jlco.model.kv_cache import DecodeCache, cache_layers, scan_bucket
+from jlco.model.moe import unstack_experts
 from jlco.model.prefill import final_logits, prefill
 from jlco.offload.latent import STAT_NAMES
 from jlco.offload.metrics import OffloadMetrics
@@ -50,6 +51,14 @@ class PendingDecode:
     t0: float
     arrays: tuple | None = None
     done: DecodeOutput | None = None
+
+
+def _for_backend(cfg: Config, model):
+    """`model`, its routed experts' weights unstacked in place on one XLA:CPU device
+    (`jlco.model.moe.unstack_experts`: XLA:CPU copies any slice a matmul reads)."""
+    if jax.default_backend() == "cpu" and cfg.mesh.num_devices == 1:
+        unstack_experts(model)
+    return model
 
 
 class ModelRunner:
@@ -68,7 +77,7 @@ class ModelRunner:
             raise ValueError(f"warmup_queries={warmup_queries!r}: allowed an integer >= 0")
         self.cfg, self.warmup_queries = cfg, warmup_queries
         self.impl = dispatch.resolve(impl or cfg.engine.attention_impl)
-        self.graphdef, self.state = nnx.split(model)
+        self.graphdef, self.state = nnx.split(_for_backend(cfg, model))
         self.batch, self.max_len = cfg.engine.max_batch_size, cfg.engine.max_context_len
         self.offload = cfg.cache.offload
         self.metrics = OffloadMetrics(cache_layers(cfg), cfg.row_bytes) if self.offload else None

@@ -5,13 +5,17 @@ Routing (docs/facts.md §1): scores = sigmoid(x·W_gate) in f32; the correction 
 topk_group groups stay eligible; the chosen experts' unbiased scores are normalised and
 scaled by routed_scaling_factor. Experts run as grouped matmuls (`ragged_dot`) over the
 token→expert assignments sorted by expert, so cost scales with k, not with E (on CPU,
-which has no grouped matmul, every expert runs over the tokens: see `Experts`). Under a
+which has no grouped matmul, the chosen experts run one assignment at a time or every
+expert over the tokens, and the engine holds each expert's weights as arrays of their own
+so no matmul reads a copied slice: see `Experts`). Under a
 mesh whose "expert" axis spans several devices the routed experts are split over it and
 tokens reach them by all-to-all (`jlco.parallel.expert`); the router and the shared
 experts run as the rest of the model does (replicated, or split by XLA over "tensor").
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +24,9 @@ from flax import nnx
 from jlco.config import ModelConfig
 from jlco.model.layers import Linear, dtype_of, param
 from jlco.parallel import expert as expert_parallel
+
+
+_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 
 class MLP(nnx.Module):
@@ -80,13 +87,79 @@ class Experts(nnx.Module):
         n = 2048). When the n·k assignments are at most half the experts (decode at small
         batch), only the chosen experts' weights are read: each assignment slices its
         expert, a token at a time (E 16, k 2, d 512, i 256, per layer against every
-        expert: n 1 0.23 vs 1.6 ms, n 2 0.81 vs 1.9, n 4 1.2 vs 1.8)."""
+        expert: n 1 0.23 vs 1.6 ms, n 2 0.81 vs 1.9, n 4 1.2 vs 1.8). Those slices are
+        copies; the engine on XLA:CPU therefore `unstack`s the weights, and then runs
+        `_switched` (n·k <= E) or `_each_expert`."""
         with jax.named_scope("experts"):
+            if self.per_expert:
+                fn = self._switched if ids.size <= self.num_experts else self._each_expert
+                return fn(x, w, ids)
             if expert_parallel.parallel_size() > 1:
                 return expert_parallel.experts_parallel(
                     x, w, ids, self.gate_proj[...], self.up_proj[...], self.down_proj[...])
             cpu = self._picked if ids.size * 2 <= self.gate_proj.shape[0] else self._dense
             return jax.lax.platform_dependent(x, w, ids, cpu=cpu, default=self._grouped)
+
+    @property
+    def num_experts(self) -> int:
+        value = self.gate_proj.get_value()
+        return len(value) if isinstance(value, tuple) else value.shape[0]
+
+    @property
+    def per_expert(self) -> bool:
+        """Whether each expert's weights are a buffer of their own (`unstack`)."""
+        return isinstance(self.gate_proj.get_value(), tuple)
+
+    def unstack(self) -> None:
+        """Hold each routed expert's weights as arrays of their own (a tuple of E arrays
+        per projection) instead of one stacked [E, ...] array. On XLA:CPU a matmul cannot
+        read a slice of a buffer: every slice of the stacked weights (static or dynamic)
+        is first copied, so reading a chosen expert cost its bytes three times. With
+        buffers of their own, `lax.switch` hands the chosen expert's arrays to the
+        matmul as they are (E 16, k 2, d 512, i 256, one layer at n 4: 0.7-0.8 vs 1.4-2.2
+        ms picked from the stack, 1.3-1.9 ms every expert). For one device only: the
+        stacked form is the one the checkpoint loader, the mesh and `ragged_dot` use."""
+        for name in _PROJECTIONS:
+            var = getattr(self, name)
+            stacked = var.get_value()
+            if not isinstance(stacked, tuple):
+                var.set_value(tuple(stacked[e] for e in range(stacked.shape[0])))
+
+    def _expert(self, e: int, xt):
+        """Expert e (per-expert weights) on the rows xt [m, d] → [m, d] f32."""
+        gate, up, down = (getattr(self, p).get_value()[e] for p in _PROJECTIONS)
+        xt = xt.astype(gate.dtype)
+        return ((jax.nn.silu(xt @ gate) * (xt @ up)) @ down).astype(jnp.float32)
+
+    def _switched(self, x, w, ids):
+        """Per-expert weights, few assignments: one assignment at a time, its expert picked
+        by `lax.switch` (one switch in the program, whatever n·k)."""
+        n, k = ids.shape
+        flat_ids, flat_w = ids.reshape(-1), w.reshape(-1).astype(jnp.float32)
+        branches = [functools.partial(self._expert, e) for e in range(self.num_experts)]
+
+        def body(a, y):
+            t = a // k
+            row = jax.lax.dynamic_slice_in_dim(x, t, 1)
+            out = jax.lax.switch(flat_ids[a], branches, row) * flat_w[a]
+            return jax.lax.dynamic_update_slice_in_dim(
+                y, jax.lax.dynamic_slice_in_dim(y, t, 1) + out, t, 0)
+
+        y = jax.lax.fori_loop(0, n * k, body, jnp.zeros((n, x.shape[-1]), jnp.float32))
+        return y.astype(x.dtype)
+
+    def _each_expert(self, x, w, ids):
+        """Per-expert weights, many assignments: each expert some token chose runs over
+        all the tokens (the others are skipped), weighted by the combine matrix [n, E]
+        (E 16, k 2, 512 tokens, one layer: 26 ms, 47 ms as `_dense` over the stack)."""
+        n, e = x.shape[0], self.num_experts
+        comb = jnp.zeros((n, e), jnp.float32).at[jnp.arange(n)[:, None], ids].add(w)
+        chosen = jnp.zeros((e,), bool).at[ids.reshape(-1)].set(True)
+        y = jnp.zeros((n, x.shape[-1]), jnp.float32)
+        for j in range(e):
+            y = jax.lax.cond(chosen[j], lambda y, j=j: y + self._expert(j, x) * comb[:, j, None],
+                             lambda y: y, y)
+        return y.astype(x.dtype)
 
     def _grouped(self, x, w, ids):
         n, k = ids.shape
@@ -153,3 +226,15 @@ class MoE(nnx.Module):
             if self.shared_experts is not None:
                 y = y + self.shared_experts(x)
             return y
+
+
+def unstack_experts(model: nnx.Module) -> int:
+    """`Experts.unstack` every routed-expert block of `model` in place (the stacked
+    arrays are dropped, so the weights are not held twice) → how many blocks changed.
+    For a model on one XLA:CPU device (`jlco.engine.runner.ModelRunner` does this)."""
+    changed = 0
+    for _, node in nnx.iter_graph(model):
+        if isinstance(node, Experts) and not node.per_expert:
+            node.unstack()
+            changed += 1
+    return changed
