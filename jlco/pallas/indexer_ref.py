@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jlco.pallas.indexer import NEG_INF, compute_dtype, validate, select_topk
 
 REF_BLOCK_ELEMS = 1 << 26   # f32 per-head logits [s_q, H, keys] of one key block (s_q < 16)
-REF_STEP_BLOCK = 32768      # most keys per block of a decode step's stream (s_q < 16)
+REF_STEP_BLOCK = 65536      # most keys per block of a decode step's stream (s_q < 16)
 REF_CHUNK_MIN_S = 16        # queries from which a call is a prefill chunk (tiled scoring)
 REF_CHUNK_BLOCK = 4096      # keys per block of a chunk's stream (one top-k merge each)
 REF_CHUNK_TILE = 128        # queries per tile of a chunk's block scores
@@ -32,7 +32,10 @@ def ref_key_block(s_q: int, heads: int, length: int, topk: int = 1) -> int:
     otherwise form 32 x [H, 128K] logits at once (1.1 GB on the tiny model). The cap was
     16,384: a context just past it (16,408 keys) then ran a loop of one block plus a
     24-key block, each copying its keys twice (a dynamic slice, then the transpose):
-    23.9 vs 19.8 ms a batch-1 step at 16K (configs/bench_llamacpp.py). It depends
+    23.9 vs 19.8 ms a batch-1 step at 16K (configs/bench_llamacpp.py); at 32,768 a
+    32K context (32,792 keys) likewise doubled the step (28.2 ms, 15.1 at 16K): one
+    block scores the cache in place, a stream copies every block it slices. At 65,536
+    the largest block's logits are 32 requests x 64 heads x 64K f32 = 537 MB. It depends
     on the query shape only, never on the batch, so a micro-batch (the host-driven
     engine) scores with the same block shapes as the whole batch."""
     if s_q >= REF_CHUNK_MIN_S:
