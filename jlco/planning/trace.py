@@ -150,7 +150,8 @@ def _advance(x: np.ndarray, n: int, rho: float, topk: int, rng, base: np.ndarray
     y = np.empty_like(x)
     y[:n] = rho * x[:n] + np.float32(sd * np.sqrt(1.0 - rho * rho)) * rng.standard_normal(
         n, dtype=np.float32)
-    score = base[:n + 1] + y[:n + 1]
+    score = base[:n + 1].copy()     # score[n] is set below (y[n] is not yet)
+    score[:n] += y[:n]
     k = min(topk, n)
     thr = np.partition(score[:n], n - k)[n - k]
     y[n] = thr + 1.5 - base[n]
