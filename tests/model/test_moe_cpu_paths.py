@@ -10,10 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from tests.support.decode_hlo import compiled_decode_step
 
 from jlco.config import load_config
-from jlco.engine.core import Engine
-from jlco.engine.inputs import StepInputs
 from jlco.model.decoder import DeepseekV32
 from jlco.model.moe import Experts, Router, unstack_experts
 
@@ -98,15 +97,7 @@ def test_unstack_experts_walks_the_model():
 def test_cpu_decode_step_copies_no_expert_weights(batch):
     # Picked from the stacked [E, d, i] weights, XLA:CPU copied each chosen expert
     # before its matmul (a slice is never read in place): 1.4-2.2 ms a layer at batch 4.
-    cfg = load_config("configs/tiny.py").replace(engine__max_batch_size=batch,
-                                                 engine__max_context_len=256)
-    eng = Engine(cfg, DeepseekV32(cfg.model, rngs=nnx.Rngs(0)))
-    run = eng.runner
-    assert run.host is None and run.spec is None
-    args = (run.graphdef, run.state, dataclasses.replace(run.cache, scan_len=None),
-            dataclasses.replace(StepInputs.from_requests([], run.batch, cfg.model.vocab_size),
-                                active=np.ones((run.batch,), bool)))
-    hlo = run.decode_fn.lower(*args).compile().as_text()
+    cfg, _, hlo = compiled_decode_step(batch, 256)
     slices = [ln for ln in hlo.splitlines() if "/experts/" in ln
               and ("slice(" in ln or "slice_" in ln.split("=")[0] or "gather" in ln)
               and "%d,%d]" % (cfg.model.hidden_size, cfg.model.moe_intermediate_size) in ln]

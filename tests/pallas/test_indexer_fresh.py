@@ -3,19 +3,13 @@
 reference (single block and streamed) and through the kernels, and the decode step
 XLA:CPU compiles then copies no layer's key cache."""
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 from tests.pallas.test_indexer_kernel import _check, _inputs
+from tests.support.decode_hlo import compiled_decode_step
 
-from jlco.config import load_config
-from jlco.engine.core import Engine
-from jlco.engine.inputs import StepInputs
-from jlco.model.decoder import DeepseekV32
 from jlco.pallas import dispatch
 from jlco.pallas import indexer as ix
 from jlco.pallas import indexer_ref as ixr
@@ -88,15 +82,7 @@ def test_bad_fresh_keys_are_named(bad, match):
 def test_decode_step_copies_no_key_cache(batch):
     # Written before they were scored, XLA:CPU copied (transposed) every layer's keys
     # each step: 1.2 ms a layer at 16K on the 2-core box.
-    cfg = load_config("configs/tiny.py").replace(engine__max_batch_size=batch,
-                                                 engine__max_context_len=512)
-    eng = Engine(cfg, DeepseekV32(cfg.model, rngs=nnx.Rngs(0)))
-    run = eng.runner
-    assert run.host is None and run.spec is None
-    args = (run.graphdef, run.state, dataclasses.replace(run.cache, scan_len=None),
-            dataclasses.replace(StepInputs.from_requests([], run.batch, cfg.model.vocab_size),
-                                active=np.ones((run.batch,), bool)))
-    hlo = run.decode_fn.lower(*args).compile().as_text()
+    _, run, hlo = compiled_decode_step(batch, 512)
     key_shape = "[%d,%d,%d]" % run.cache.index_k[0].shape
     t, d = run.cache.index_k[0].shape[1:]
     copies = [ln for ln in hlo.splitlines()
