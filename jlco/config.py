@@ -522,6 +522,17 @@ class EngineConfig:
                         (CPU), "xla" forces the plain-jnp fallback, "pallas" requires the
                         kernel, "interpret" runs the kernel in Pallas interpret mode off
                         accelerators (a test tool, slow).
+    async_scheduling:   queue each plain decode step behind the one still computing, its
+                        input tokens taken on the device from that step's output, and read
+                        the earlier step's tokens while the device works (vLLM's
+                        async scheduling, SGLang's overlap scheduler): the host's work per
+                        step (scheduling, inputs, dispatch, reading tokens back) leaves the
+                        step's critical path. The tokens are the same as with it off; a
+                        request that stops on a stop token or string costs its slot one
+                        discarded step. Speculative and host-driven steps, one mesh of
+                        several devices, and batches holding a request with a structured-
+                        output constraint (its next mask needs the token on the host) run
+                        synchronously either way.
     """
     max_batch_size: int = 1
     max_context_len: int = 4096
@@ -530,6 +541,7 @@ class EngineConfig:
     spec_sampling: str = "per_token"
     attention_impl: str = "auto"
     seed: int = 0
+    async_scheduling: bool = True
 
     def __post_init__(self):
         p = "engine"

@@ -27,7 +27,6 @@ import jax
 import numpy as np
 
 from jlco.engine import prefill as engine_prefill
-from jlco.engine.inputs import StepInputs
 from jlco.model.kv_cache import prefill_scan, scan_bucket
 from jlco.util.buckets import piece_grid, record_rows
 from jlco.util.memory import release_free_memory
@@ -94,14 +93,16 @@ def compile_all(runner, progress: Callable[[int, int, str], None] | None = None)
                             runner.offload and runner.warmup_queries > 0)
     s_q = 1 + cfg.engine.num_draft_tokens
     scans = decode_scans(runner.max_len, s_q)
-    total, t0 = len(pieces) + len(scans), time.perf_counter()
+    total, t0, tok = len(pieces) + len(scans), time.perf_counter(), None
     # Largest first: a program's compile scratch and first run are the warm-up's peak
     # memory, lowest while few programs are resident yet (the process's VmHWM).
     for i, s in enumerate(reversed(scans)):
-        compile_decode(runner, s)
+        tok = compile_decode(runner, s)
         release_free_memory()   # each compile leaves ~200 MB free in malloc's arenas
         if progress is not None:
             progress(i + 1, total, f"decode scan {s or 'all'}")
+    if tok is not None:
+        runner.warm_up_follow(tok)   # async scheduling's token merge
     by_size = sorted(pieces, key=lambda p: (p.width, p.scan or runner.max_len, p.record),
                      reverse=True)
     for i, p in enumerate(by_size):
@@ -124,18 +125,19 @@ def compile_piece(runner, width: int, scan: int | None, record: bool) -> None:
     jax.block_until_ready(logits)
 
 
-def compile_decode(runner, scan: int | None) -> None:
-    """Run a decode step at scan bucket `scan` with every slot empty."""
+def compile_decode(runner, scan: int | None):
+    """Run a decode step at scan bucket `scan` with every slot empty → its output
+    tokens (None for a speculative step)."""
     if runner.spec is not None:
         _, runner.cache, _ = runner.spec.step(runner.cache, [], scan)
         runner.spec.metrics.steps -= 1
-        return
+        return None
     tok, _, cache = runner.decode_fn(runner.graphdef, runner.state,
                                      dataclasses.replace(runner.cache, scan_len=scan),
-                                     StepInputs.from_requests([], runner.batch,
-                                                              runner.cfg.model.vocab_size))
+                                     runner.step_inputs([]))
     runner.cache = dataclasses.replace(cache, scan_len=None)
     jax.block_until_ready(tok)
+    return tok
 
 
 def warm_up(engine, progress=None, longest: int = 48) -> dict:

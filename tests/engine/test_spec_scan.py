@@ -31,8 +31,8 @@ def test_spec_steps_scan_a_bucket_and_match_greedy(model, prompts):
         scans.append(cache.scan_len)
         return jitted(graphdef, state, cache, *args)
 
-    def watched_dispatch(running):
-        out = dispatch(running)
+    def watched_dispatch(running, follow=None):
+        out = dispatch(running, follow)
         lengths = np.asarray(run.cache.lengths)
         mirrors.append([(int(run.slot_len[r.slot]), int(lengths[r.slot])) for r in running])
         return out
