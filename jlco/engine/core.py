@@ -42,7 +42,9 @@ class Engine:
             ranks=cfg.mesh.data)
         self.step_count = 0
         self.step_seconds: list[float] = []   # wall time of each engine step that decoded
-        # Host time of each step not overlapping the device (wall minus device wait).
+        # Host time of each step not overlapping the device (wall minus device wait);
+        # with async scheduling an upper bound (the host work before the wait overlaps
+        # the step in flight).
         self.host_seconds: list[float] = []
         self._jobs: collections.deque = collections.deque()   # prefill.PrefillJob, oldest first
         self._inflight = None   # the decode step queued and not yet emitted (async scheduling)

@@ -95,10 +95,10 @@ class Experts(nnx.Module):
         expert, a token at a time (E 16, k 2, d 512, i 256, per layer against every
         expert: n 1 0.23 vs 1.6 ms, n 2 0.81 vs 1.9, n 4 1.2 vs 1.8). Those slices are
         copies; the engine on XLA:CPU therefore `unstack`s the weights, and then runs
-        `_switched` (n·k <= E) or `_each_expert`."""
+        `_switched` (n·k <= E) or `_tiled`."""
         with jax.named_scope("experts"):
             if self.per_expert:
-                fn = self._switched if ids.size <= self.num_experts else self._each_expert
+                fn = self._switched if ids.size <= self.num_experts else self._tiled
                 return fn(x, w, ids)
             if expert_parallel.parallel_size() > 1:
                 return expert_parallel.experts_parallel(
@@ -154,18 +154,38 @@ class Experts(nnx.Module):
         y = jax.lax.fori_loop(0, n * k, body, jnp.zeros((n, x.shape[-1]), jnp.float32))
         return y.astype(x.dtype)
 
-    def _each_expert(self, x, w, ids):
-        """Per-expert weights, many assignments: each expert some token chose runs over
-        all the tokens (the others are skipped), weighted by the combine matrix [n, E]
-        (E 16, k 2, 512 tokens, one layer: 26 ms, 47 ms as `_dense` over the stack)."""
-        n, e = x.shape[0], self.num_experts
-        comb = _combine(w, ids, e)
-        chosen = jnp.zeros((e,), bool).at[ids.reshape(-1)].set(True)
-        y = jnp.zeros((n, x.shape[-1]), jnp.float32)
-        for j in range(e):
-            y = jax.lax.cond(chosen[j], lambda y, j=j: y + self._expert(j, x) * comb[:, j, None],
-                             lambda y: y, y)
-        return y.astype(x.dtype)
+    def _tiled(self, x, w, ids):
+        """Per-expert weights, many assignments (a prefill chunk, a large decode batch):
+        the n·k assignments sorted by expert, then run in order in tiles of T rows, each
+        tile one expert's (picked by `lax.switch`). Work is n·k rows plus at most T per
+        expert, where running each chosen expert over all n tokens costs up to E/k times
+        the rows (E 16, k 2, 512 tokens, one layer: 22-24 ms against 98 ms on a 2-core
+        AVX2 box; 9 tokens 5.0 against 5.8 ms). T: n·k/E rounded up to a power of two,
+        within 8..32."""
+        n, k = ids.shape
+        e, a, d = self.num_experts, ids.size, x.shape[-1]
+        t = min(32, max(8, 1 << max(0, (a // e - 1).bit_length())))
+        flat = ids.reshape(-1)
+        order = jnp.argsort(flat, stable=True)
+        token = order // k
+        counts = jnp.bincount(flat, length=e).astype(jnp.int32)
+        starts = jnp.cumsum(counts) - counts                   # first sorted row per expert
+        tiles = (counts + t - 1) // t
+        first_tile = jnp.cumsum(tiles) - tiles
+        xs = jnp.concatenate([x[token], jnp.zeros((t, d), x.dtype)])   # a whole last tile
+        branches = [functools.partial(self._expert, j) for j in range(e)]
+
+        def body(i, ys):
+            j = (jnp.searchsorted(first_tile, i, side="right") - 1).astype(jnp.int32)
+            lo = starts[j] + (i - first_tile[j]) * t
+            out = jax.lax.switch(j, branches, jax.lax.dynamic_slice_in_dim(xs, lo, t))
+            # Rows past expert j's last are the next expert's (its tiles come later and
+            # write them again) or the padding.
+            return jax.lax.dynamic_update_slice_in_dim(ys, out, lo, 0)
+
+        ys = jax.lax.fori_loop(0, jnp.sum(tiles), body, jnp.zeros((a + t, d), jnp.float32))
+        ys = ys[:a] * w.reshape(-1)[order][:, None].astype(jnp.float32)
+        return jnp.zeros((n, d), jnp.float32).at[token].add(ys).astype(x.dtype)
 
     def _grouped(self, x, w, ids):
         n, k = ids.shape

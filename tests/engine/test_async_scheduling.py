@@ -131,3 +131,11 @@ def test_constrained_batch_runs_synchronously(model):
     assert set(held.tokens) <= {3, 17, 40} and len(held.tokens) == 5
     alone = Engine(BASE, model).generate([free.prompt], 8)[0]
     assert (free.tokens, free.logprobs) == (alone.tokens, alone.logprobs)
+
+
+def test_async_scheduling_is_a_checked_bool():
+    from jlco.config import ConfigError, apply_overrides
+    assert BASE.engine.async_scheduling is True
+    assert apply_overrides(BASE, ["engine.async_scheduling=false"]).engine.async_scheduling is False
+    with pytest.raises(ConfigError, match="engine.async_scheduling"):
+        BASE.replace(engine__async_scheduling="yes")

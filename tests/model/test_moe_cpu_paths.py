@@ -72,15 +72,17 @@ def test_per_expert_switch_equals_the_stacked_paths(n):
     np.testing.assert_allclose(out, experts._grouped(x, w, ids), rtol=1e-5, atol=1e-6)
 
 
-def test_per_expert_many_tokens_run_each_chosen_expert():
-    experts, x, w, ids = _inputs(n=9)              # 18 assignments > 16
+@pytest.mark.parametrize("n", [9, 40, 300])
+def test_per_expert_many_tokens_run_in_expert_tiles(n):
+    experts, x, w, ids = _inputs(n=n)              # n·k > 16 assignments
     split = _unstacked(experts)
-    np.testing.assert_array_equal(split(x, w, ids), split._each_expert(x, w, ids))
-    np.testing.assert_allclose(split(x, w, ids), experts._dense(x, w, ids),
-                               rtol=1e-5, atol=1e-6)
-    # An expert no token chose is skipped, and nothing else changes.
-    few = jnp.where(ids == 0, 1, ids)
-    np.testing.assert_allclose(split._each_expert(x, w, few), experts._dense(x, w, few),
+    out = jax.jit(lambda x, w, ids: split(x, w, ids))(x, w, ids)
+    np.testing.assert_array_equal(split(x, w, ids), split._tiled(x, w, ids))
+    np.testing.assert_allclose(out, experts._dense(x, w, ids), rtol=1e-5, atol=1e-6)
+    # Experts nobody chose, and one expert taking most rows (many tiles of one expert,
+    # tiles ending mid-way), change nothing else.
+    few = jnp.where(ids < 4, 5, ids)
+    np.testing.assert_allclose(split._tiled(x, w, few), experts._dense(x, w, few),
                                rtol=1e-5, atol=1e-6)
 
 
