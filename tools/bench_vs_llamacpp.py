@@ -88,8 +88,25 @@ def define_flags() -> None:
     flags.DEFINE_float("init_std", 0.05, "weight init std of the random checkpoint")
     flags.DEFINE_float("mem_gbps", 0.0, "roofline bandwidth, GB/s (0 = measure)")
     flags.DEFINE_float("peak_gflops", 0.0, "roofline f32 peak, GFLOP/s (0 = measure)")
+    flags.DEFINE_multi_string("override", [], "jlco config override section.field=value "
+                              "(repeatable), e.g. engine.async_scheduling=false for an A/B")
     flags.DEFINE_string("out", "out/vs_llamacpp", "directory for the JSON and PNG")
     flags.DEFINE_bool("json", False, "print the JSON to stdout (the table to stderr)")
+
+
+def _cpu_model() -> str:
+    """The CPU's model name and its widest vector extension (the engines' kernels
+    differ most by it), from /proc/cpuinfo; "" where there is none."""
+    try:
+        info = open("/proc/cpuinfo").read()
+    except OSError:
+        return ""
+    name = next((ln.split(":", 1)[1].strip() for ln in info.splitlines()
+                 if ln.startswith("model name")), "")
+    flags_ = set(next((ln.split(":", 1)[1].split() for ln in info.splitlines()
+                       if ln.startswith("flags")), []))
+    simd = next((f for f in ("avx512f", "avx2", "avx", "neon") if f in flags_), "")
+    return f"{name} ({simd})" if simd else name
 
 
 def _ints(name: str, values: list[str]) -> list[int]:
@@ -218,7 +235,8 @@ class Jlco:
         from jlco.checkpoint.load import load_model
         from jlco.config import load_config
         from jlco.engine.core import Engine
-        base = load_config(ROOT / FLAGS.config)
+        from jlco.config import apply_overrides
+        base = apply_overrides(load_config(ROOT / FLAGS.config), FLAGS.override)   # checked
         mcfg, model, _ = load_model(ckpt, {"dtype": "float32"}, progress=False)
         self.cfg = base.replace(model=mcfg, engine__max_batch_size=batch,
                                 engine__max_context_len=context + FLAGS.new_tokens + 8,
@@ -335,9 +353,13 @@ def main(argv) -> None:
         import llama_cpp  # noqa: F401
     except ImportError:
         cli.fail(PROG, "llama-cpp-python is not installed: pip install -e '.[llamacpp]'")
-    from jlco.config import load_config
+    from jlco.config import apply_overrides, load_config
     from jlco.planning import probe, roofline
     cfg = load_config(ROOT / FLAGS.config)
+    try:
+        apply_overrides(cfg, FLAGS.override)   # a bad one fails before the slow setup
+    except ValueError as e:
+        cli.fail(PROG, str(e))
     results = []
     with tempfile.TemporaryDirectory() as d:
         ckpt, gguf = os.path.join(d, "hf"), os.path.join(d, "model.gguf")
@@ -352,9 +374,10 @@ def main(argv) -> None:
             for batch in batches:
                 print(f"context {context}, batch {batch} ...", file=sys.stderr)
                 results.append(setting(ckpt, gguf, machine, context, batch))
-    out = dict(config=FLAGS.config, new_tokens=FLAGS.new_tokens, rounds=FLAGS.rounds,
-               kv_type=FLAGS.kv_type, results=results,
-               machine=dict(m, platform=platform.platform(), cpus=os.cpu_count()))
+    out = dict(config=FLAGS.config, overrides=FLAGS.override, new_tokens=FLAGS.new_tokens,
+               rounds=FLAGS.rounds, kv_type=FLAGS.kv_type, results=results,
+               machine=dict(m, platform=platform.platform(), cpus=os.cpu_count(),
+                            cpu=_cpu_model()))
     dest = pathlib.Path(FLAGS.out)
     dest.mkdir(parents=True, exist_ok=True)
     plot(out, dest / "vs_llamacpp.png")
