@@ -105,7 +105,10 @@ def main(argv):
     rng = np.random.default_rng(1)
     prompts = [list(map(int, rng.integers(0, cfg.model.vocab_size, FLAGS.prompt + 10 * i)))
                for i in range(b)]
-    engines = {p: Engine(cfg.replace(cache__fetch_path=p), model) for p in PATHS}
+    # Stepped in turn: a step left in flight (async scheduling) would run beside the
+    # other engine's.
+    engines = {p: Engine(cfg.replace(cache__fetch_path=p, engine__async_scheduling=False),
+                         model) for p in PATHS}
     reqs = {}
     for path, eng in engines.items():
         reqs[path] = [eng.submit(p, new) for p in prompts]

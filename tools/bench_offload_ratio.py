@@ -42,7 +42,9 @@ def define_flags() -> None:
 
 def _engine(cfg, model, offload: bool):
     from jlco.engine.core import Engine
-    eng = Engine(cfg.replace(cache__offload=offload), model)
+    # The two engines step in turn: a step left in flight (async scheduling) would
+    # run beside the other engine's and time both wrong.
+    eng = Engine(cfg.replace(cache__offload=offload, engine__async_scheduling=False), model)
     vocab = cfg.model.vocab_size
     for r in range(FLAGS.batch):
         eng.submit([(31 * r + 7 * i + 3) % vocab for i in range(FLAGS.prompt_len)],

@@ -110,9 +110,11 @@ def profile_decode(model, context: int) -> dict:
                                 active=np.ones((b,), bool)))
     trace_dir = os.path.join(FLAGS.out, f"trace_decode_{context}")
     shutil.rmtree(trace_dir, ignore_errors=True)
+    eng.drain()   # async scheduling: the trace holds exactly the two steps queued in it
     with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
         eng.step()
         eng.step()
+        eng.drain()
     fams = {}
     if run.host is None and run.spec is None:
         fams = op_families(trace_dir, run.decode_fn.lower(*args).compile().as_text(), 2)
