@@ -13,7 +13,8 @@ from typing import Iterable
 
 from jlco.config import Config
 from jlco.engine.prefill import WARMUP_QUERIES, next_job
-from jlco.engine.runner import ModelRunner, live
+from jlco.engine.overlap import StepQueue
+from jlco.engine.runner import ModelRunner
 from jlco.engine.scheduler import (AdmissionStatus, Request, RequestError, RequestFields,
                                    Scheduler, check_request)
 from jlco.engine.transfer import PrefilledRequest
@@ -42,12 +43,11 @@ class Engine:
             ranks=cfg.mesh.data)
         self.step_count = 0
         self.step_seconds: list[float] = []   # wall time of each engine step that decoded
-        # Host time of each step not overlapping the device (wall minus device wait);
-        # with async scheduling an upper bound (the host work before the wait overlaps
-        # the step in flight).
+        # Host time of each step not overlapping the device (wall minus device wait; an
+        # upper bound with async scheduling, whose host work overlaps the step in flight).
         self.host_seconds: list[float] = []
         self._jobs: collections.deque = collections.deque()   # prefill.PrefillJob, oldest first
-        self._inflight = None   # the decode step queued and not yet emitted (async scheduling)
+        self.queue = StepQueue(self, _emit)   # the decode step in flight (async scheduling)
         self._imports: dict[int, float] = {}   # unclaimed imported prefills: import time
         self.orphans_swept = 0
 
@@ -164,7 +164,7 @@ class Engine:
         """A step would do something: requests waiting, prefills in progress or requests
         decoding (an imported prefill waiting for its claim is not work)."""
         sched = self.scheduler
-        return bool(sched.waiting) or bool(self._jobs) or self._inflight is not None or any(
+        return bool(sched.waiting) or bool(self._jobs) or self.queue.inflight is not None or any(
             r is not None and r.tokens for r in sched.slots)
 
     @property
@@ -186,54 +186,27 @@ class Engine:
         the running requests for more than one chunk per step. Returns False when nothing
         is left to do.
 
-        With `engine.async_scheduling` (`ModelRunner.can_follow`) the step queued here
-        follows the one the previous call queued, and this call then emits that earlier
-        step's tokens: a step's tokens reach their requests one call later, and `run`
-        (or `drain`) ends with every token emitted."""
+        With `engine.async_scheduling` (`jlco.engine.overlap`) a step's tokens are emitted
+        by the next call, behind which it queues its own; `run` ends with none left."""
         t0 = time.perf_counter()
         sched, run = self.scheduler, self.runner
         plan = sched.schedule()
         for req in plan.prefills:
             self._jobs.append(run.start_prefill(req, self._page_row(req)))
-        prev, self._inflight = self._inflight, None
         decoding = [r for r in plan.decodes if not r.done and r.tokens]
-        if prev is not None and any(r.constraint is not None for r in decoding):
-            self._finish(prev, t0)   # a constraint's next mask needs the token on the host
-            prev, t0 = None, time.perf_counter()
-            decoding = [r for r in decoding if not r.done]
-        if prev is not None:         # a request whose last token is in flight is done
-            inflight = {id(r) for r in prev.running}
-            decoding = [r for r in decoding if id(r) not in inflight
-                        or len(r.tokens) + 1 < r.max_new_tokens]
+        prev, decoding, t0 = self.queue.take(decoding, t0)
         pending = run.dispatch(decoding, follow=prev) if decoding else None
         self._advance_prefills(self.cfg.engine.prefill_chunk)
         if prev is not None:
-            self._finish(prev, t0)
+            self.queue.finish(prev, t0)
         if pending is None:
             return self.has_work
-        if run.can_follow and pending.done is None:
-            self._inflight = pending
-        else:
-            self._finish(pending, t0)
+        self.queue.hold(pending, t0)
         return True
 
     def drain(self) -> None:
         """Emit the tokens of the step still in flight, if any (async scheduling)."""
-        prev, self._inflight = self._inflight, None
-        if prev is not None:
-            self._finish(prev, time.perf_counter())
-
-    def _finish(self, pending, t0: float) -> None:
-        """Wait for a queued step and emit its tokens; the engine step that did so
-        (from t0) is timed."""
-        out = self.runner.collect(pending)
-        t_end = time.perf_counter()
-        # Both over the same interval (the whole engine step, scheduling included), so a
-        # step's host time never exceeds its wall time.
-        self.step_seconds.append(t_end - t0)
-        self.host_seconds.append(t_end - t0 - out.wait_seconds)
-        self.step_count += 1
-        _emit(self, live(pending), out)
+        self.queue.drain()
 
     def _advance_prefills(self, budget: int | None) -> None:
         """Run prefill pieces, oldest request first, until `budget` prompt positions are

@@ -31,7 +31,8 @@ from flax import nnx
 from jlco.config import Config
 from jlco.engine import host_driven, penalize, prefill as engine_prefill, prefix, steps, transfer
 from jlco.engine.allocation import allocate_cache
-from jlco.engine.inputs import DecodeOutput, StepInputs, alternatives, follow_tokens
+from jlco.engine.inputs import DecodeOutput, alternatives
+from jlco.engine.overlap import Follower, live
 from jlco.engine.prefill import WARMUP_QUERIES, PrefillJob
 from jlco.engine.scheduler import Request
 from jlco.model.kv_cache import DecodeCache, cache_layers, scan_bucket
@@ -39,7 +40,6 @@ from jlco.model.moe import unstack_experts
 from jlco.model.prefill import final_logits, prefill
 from jlco.offload.latent import STAT_NAMES
 from jlco.offload.metrics import OffloadMetrics
-from jlco.parallel import mesh as parallel_mesh
 from jlco.pallas import dispatch
 from jlco.util.memory import release_free_memory
 
@@ -52,12 +52,6 @@ class PendingDecode:
     t0: float
     arrays: tuple | None = None
     done: DecodeOutput | None = None
-
-
-def live(pending: PendingDecode) -> tuple[Request, ...]:
-    """The requests of a dispatched step still running: their tokens are emitted (one
-    that finished or was aborted while the step was in flight keeps no slot)."""
-    return tuple(r for r in pending.running if not r.done)
 
 
 def _for_backend(cfg: Config, model):
@@ -101,6 +95,7 @@ class ModelRunner:
                                                metrics=self.metrics)
         self.trace = self._open_trace(trace_path)
         self.prefix = prefix.open_prefix(cfg)   # None with cache.prefix_cache off
+        self.follower = Follower(self)          # async scheduling's inputs
         self.decode_fn = self.host.decode_step if self.host is not None else steps.BoundStep(
             functools.partial(steps.decode_step, impl=self.impl), self.graphdef, self.state,
             lambda fn: self.jit(fn, 1, ("batch", "batch", "cache"), ("rep", "cache", "batch")))
@@ -246,56 +241,12 @@ class ModelRunner:
         """One decode step for the running requests (every other slot idles)."""
         return self.collect(self.dispatch(running))
 
-    @property
-    def can_follow(self) -> bool:
-        """Plain decode steps may be queued behind one in flight (`dispatch(follow=)`):
-        `engine.async_scheduling` on, no speculative or host-driven step (their host
-        work sits between device phases), one device (a mesh's step outputs carry the
-        mesh's shardings, which a step's host inputs do not)."""
-        return (self.cfg.engine.async_scheduling and self.spec is None and self.host is None
-                and self.cfg.mesh.num_devices == 1)
-
-    @functools.cached_property
-    def _tokens_sharding(self):
-        """Where a plain step's input tokens live: where its output tokens do (offloaded,
-        the step's outputs are pinned to the device; else jit leaves them uncommitted,
-        as host arrays are), so a step following another one and a step taking host
-        tokens run one compiled program."""
-        return parallel_mesh.replicated() if self.offload and self.can_follow else None
-
-    @functools.cached_property
-    def _jit_follow(self):
-        return jax.jit(follow_tokens, out_shardings=self._tokens_sharding)
-
-    def step_inputs(self, running: Sequence[Request],
-                    follow: PendingDecode | None = None) -> StepInputs:
-        """A plain decode step's inputs for `running`; the requests `follow` (a plain
-        step in flight) decodes take their token from its output on the device."""
-        inflight = set() if follow is None else {id(r) for r in follow.running}
-        ahead = [id(r) in inflight for r in running]
-        inputs = StepInputs.from_requests(running, self.batch, self.cfg.model.vocab_size,
-                                          ahead=ahead)
-        if not any(ahead):
-            if self._tokens_sharding is None:
-                return inputs
-            return dataclasses.replace(inputs, tokens=jax.device_put(inputs.tokens,
-                                                                     self._tokens_sharding))
-        if not self.can_follow or follow.arrays is None:
-            raise ValueError("dispatch(follow=...): needs a plain step in flight and a "
-                             "runner that can follow one (can_follow)")
-        mask = np.zeros((self.batch,), bool)
-        mask[[r.slot for r, a in zip(running, ahead) if a]] = True
-        return dataclasses.replace(inputs, tokens=self._jit_follow(follow.arrays[0],
-                                                                   inputs.tokens, mask))
-
     def dispatch(self, running: Sequence[Request],
                  follow: PendingDecode | None = None) -> PendingDecode:
-        """Queue one decode step on the device and return at once (JAX's async dispatch):
-        the host can do the next step's work while the device computes; `collect` waits.
-        follow: a plain step still in flight (`can_follow`); the requests it decodes take
-        their input token from its output on the device, with no sync. Speculative and
-        host-driven steps run to the end here (their host work sits between device
-        phases)."""
+        """Queue one decode step on the device and return at once (JAX's async dispatch;
+        `collect` waits); follow: a plain step in flight whose requests' output tokens
+        this one takes on the device (`overlap.Follower`). Speculative and host-driven
+        steps run to the end here (their host work sits between device phases)."""
         t0 = time.perf_counter()
         furthest = max(int(self.slot_len[r.slot]) for r in running)
         if self.spec is not None:
@@ -305,11 +256,10 @@ class ModelRunner:
                 record_stats(self.metrics, stats)
             for r, toks in zip(running, out.tokens):
                 self.slot_len[r.slot] += len(toks)
-            # Ran to the end: its wait counts as device time (its host share is not
-            # separable).
+            # Ran to the end: its wait counts as device time (host share not separable).
             return PendingDecode(tuple(running), t0, done=out)
         scan = scan_bucket(furthest + 1, self.max_len)
-        inputs = self.step_inputs(running, follow)
+        inputs = self.follower.inputs(running, follow)
         tok, logp, cache = self.decode_fn(self.graphdef, self.state,
                                           dataclasses.replace(self.cache, scan_len=scan),
                                           inputs)
@@ -321,18 +271,9 @@ class ModelRunner:
         rec = None if self.cache.record is None else jnp.copy(self.cache.record)
         return PendingDecode(tuple(running), t0, arrays=(tok, logp, stats, rec))
 
-    def warm_up_follow(self, tok: jax.Array) -> None:
-        """Compile `dispatch(follow=)`'s token merge on a step's output tokens `tok`
-        (so no request compiles it)."""
-        if self.can_follow:
-            b = self.batch
-            jax.block_until_ready(self._jit_follow(tok, np.zeros((b, 1), np.int32),
-                                                   np.zeros((b,), bool)))
-
     def collect(self, pending: PendingDecode) -> DecodeOutput:
-        """Wait for a dispatched step → its tokens for those of its requests still
-        running (`live`: one behind a step in flight may have finished meanwhile; its
-        token is dropped). One sync for tokens, log-probs and the offload counters."""
+        """Wait for a dispatched step → the tokens of its requests still running (`live`),
+        one sync for tokens, log-probs and the offload counters."""
         if pending.done is not None:
             return pending.done
         running = live(pending)

@@ -102,7 +102,7 @@ def compile_all(runner, progress: Callable[[int, int, str], None] | None = None)
         if progress is not None:
             progress(i + 1, total, f"decode scan {s or 'all'}")
     if tok is not None:
-        runner.warm_up_follow(tok)   # async scheduling's token merge
+        runner.follower.warm_up(tok)   # async scheduling's token merge
     by_size = sorted(pieces, key=lambda p: (p.width, p.scan or runner.max_len, p.record),
                      reverse=True)
     for i, p in enumerate(by_size):
@@ -134,7 +134,7 @@ def compile_decode(runner, scan: int | None):
         return None
     tok, _, cache = runner.decode_fn(runner.graphdef, runner.state,
                                      dataclasses.replace(runner.cache, scan_len=scan),
-                                     runner.step_inputs([]))
+                                     runner.follower.inputs([]))
     runner.cache = dataclasses.replace(cache, scan_len=None)
     jax.block_until_ready(tok)
     return tok

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from tests.support.engine_workload import BASE, make_prompts
 
-from jlco.engine import core, runner
+from jlco.engine import overlap
 from jlco.engine.constraint import TokenConstraint
 from jlco.engine.core import Engine
 from jlco.engine.penalties import Penalties
@@ -48,7 +48,7 @@ def test_tokens_equal_synchronous_steps(model, offload):
     cfg = BASE.replace(cache__offload=offload)
     sync, want = _workload(cfg.replace(**SYNC), model)
     eng, got = _workload(cfg, model)
-    assert eng.runner.can_follow and not sync.runner.can_follow
+    assert eng.runner.follower.can_follow and not sync.runner.follower.can_follow
     assert _outputs(got) == _outputs(want)
 
 
@@ -60,14 +60,14 @@ def test_stop_token_behind_a_step_in_flight(model, monkeypatch):
     _, first = _workload(cfg.replace(**SYNC), model)
     stop_at = {0: first[0].tokens[3], 2: first[2].tokens[2]}
     _, want = _workload(cfg.replace(**SYNC), model, stop_at)
-    dropped = []
+    dropped, live = [], overlap.live
 
     def counting(pending):
-        kept = runner.live(pending)
+        kept = live(pending)
         dropped.extend(r.id for r in pending.running if r not in kept)
         return kept
 
-    monkeypatch.setattr(core, "live", counting)
+    monkeypatch.setattr(overlap, "live", counting)
     _, got = _workload(cfg, model, stop_at)
     assert [r.finish_reason for r in want[:3]] == ["stop", "length", "stop"]
     assert _outputs(got) == _outputs(want)
@@ -79,7 +79,7 @@ def test_abort_in_flight(model):
     a, b = (eng.submit(p, 12) for p in make_prompts((20, 30), seed=4))
     for _ in range(4):
         eng.step()
-    assert eng._inflight is not None and a.tokens and b.tokens
+    assert eng.queue.inflight is not None and a.tokens and b.tokens
     eng.abort(a.id)               # its token in flight is dropped, not emitted
     n = len(a.tokens)
     eng.run()
@@ -120,7 +120,7 @@ def test_constrained_batch_runs_synchronously(model):
     free = eng.submit(make_prompts((9,), seed=5)[0], 8)
     eng.step()
     eng.step()
-    assert eng._inflight is not None
+    assert eng.queue.inflight is not None
     held = eng.submit(make_prompts((7,), seed=6)[0], 5, constraint=_Among([3, 17, 40]))
     n = len(free.tokens)
     eng.step()                    # admits it: the free request's step is emitted first
