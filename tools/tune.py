@@ -134,22 +134,27 @@ def candidates(base: Config, grid: dict, seed: int = 0) -> list[Config]:
 
 def _decode_pass(eng: Engine, work: Workload) -> dict:
     """Decode the workload once; time only steps that admit and prefill nothing (pure
-    decode)."""
+    decode). With async scheduling a step's tokens are emitted by the next call (the
+    first call only queues, the last only emits): every such call's wall counts toward
+    throughput, the calls that emitted tokens are the steps."""
     reqs = [eng.submit(p, work.gen_len) for p in work.prompts]
-    walls, tokens = [], 0
+    walls, tokens, spent = [], 0, 0.0
     while True:
         admitting = bool(eng.scheduler.waiting) or eng.num_prefilling > 0
         before = sum(len(r.tokens) for r in reqs)
         t = time.perf_counter()
-        if not eng.step():
+        ran = eng.step()
+        wall, got = time.perf_counter() - t, sum(len(r.tokens) for r in reqs) - before
+        if not admitting and (ran or got):
+            spent, tokens = spent + wall, tokens + got
+            if got:
+                walls.append(wall)
+        if not ran:
             break
-        if not admitting:
-            walls.append(time.perf_counter() - t)
-            tokens += sum(len(r.tokens) for r in reqs) - before
     eng.check_no_leaks()
     ms = np.asarray(walls) * 1e3 if walls else np.full(1, np.nan)
     return dict(decode_steps=len(walls), decode_tokens=tokens,
-                throughput_tok_s=tokens / sum(walls) if walls else float("nan"),
+                throughput_tok_s=tokens / spent if walls else float("nan"),
                 tpot_ms_mean=float(ms.mean()), tpot_ms_p90=float(np.percentile(ms, 90)),
                 tokens=[list(r.tokens) for r in reqs])
 
