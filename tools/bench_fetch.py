@@ -99,15 +99,26 @@ def _latent(pool, page_table, n, chunk) -> OffloadLatent:
         page_size=pool.page_size, chunk_rows=chunk), pool.device)
 
 
-@functools.partial(jax.jit, donate_argnums=0)
 def _in_jit_step(lat, host, positions):
-    """`latent_for_attention` on layer 0 of `lat` (its host pool passed apart, so only
-    the device part is donated) → (lat with its slot table and counters emptied again,
-    so the next repetition misses every row too; slot ids [1, 1, n]; rows moved)."""
+    """`latent_for_attention` on layer 0 of `lat` (its host pool passed apart) → (lat
+    with its slot table and counters emptied again, so the next repetition misses every
+    row too; slot ids [1, 1, n]; rows moved; the host pool). The pool comes back as an
+    output in its own memory kind (`_jit_in_jit_step`), as in the engine's step: XLA:GPU
+    refuses a jit whose host-memory parameter reaches an output declared as device
+    memory (E1200, jax 0.11.2)."""
     out, _, ids = latent_for_attention(dataclasses.replace(lat, host=host), 0, positions)
     return (dataclasses.replace(out, host=(), slot_pos=jnp.full_like(out.slot_pos, -1),
                                 slot_stamp=jnp.full_like(out.slot_stamp, -1),
-                                stats=jnp.zeros_like(out.stats)), ids, out.stats[0, STAT_MOVED])
+                                stats=jnp.zeros_like(out.stats)), ids,
+            out.stats[0, STAT_MOVED], out.host)
+
+
+def _jit_in_jit_step(pool):
+    """`_in_jit_step` jitted for `pool`: device state donated, outputs pinned (the pool
+    to its memory kind, the rest to the device)."""
+    dev = jax.sharding.SingleDeviceSharding(pool.device)
+    return jax.jit(_in_jit_step, donate_argnums=(0, 1),
+                   out_shardings=(dev, dev, dev, (pool.sharding,)))
 
 
 @jax.jit
@@ -121,13 +132,19 @@ def _select(lat, positions):
 
 def _in_jit_run(pool, page_table, positions, n, chunk):
     """→ (one repetition, its result: hot-buffer rows [n, R], slot ids [n], rows moved)."""
-    host, state = (pool.array(0),), {"lat": _latent(pool, page_table, n, chunk)}
+    step = _jit_in_jit_step(pool)
+    state = {"lat": _latent(pool, page_table, n, chunk), "host": (pool.array(0),)}
 
     def once():
-        state["lat"], state["ids"], state["moved"] = _in_jit_step(state["lat"], host, positions)
+        state["lat"], state["ids"], state["moved"], state["host"] = step(
+            state["lat"], state["host"], positions)
         state["lat"].rows.block_until_ready()
 
-    return once, lambda: (state["lat"].rows[0, 0], state["ids"][0, 0], state["moved"])
+    def result():
+        pool.set_array(0, state["host"][0])
+        return state["lat"].rows[0, 0], state["ids"][0, 0], state["moved"]
+
+    return once, result
 
 
 def _host_run(pool, page_table, positions, n, chunk, fetcher):

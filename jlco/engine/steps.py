@@ -21,7 +21,7 @@ from jlco.model import kv_cache
 from jlco.model.kv_cache import DecodeCache
 from jlco.offload.fetch import fetch_in_jit
 from jlco.offload.host_pool import host_row_ids, scatter_to_host
-from jlco.offload.hot_buffer import resolve
+from jlco.offload.hot_buffer import Resolution, resolve
 from jlco.offload.latent import OffloadLatent, table_groups
 from jlco.parallel import data as parallel_data
 from jlco.parallel import mesh as parallel_mesh
@@ -125,41 +125,53 @@ def warm_up_on_rank(cache: DecodeCache, slot, record):
 def warm_up(cache: DecodeCache, slot, record, *, fetch: bool = True):
     """ESS's admission warm-up: insert the top-k positions of the last prefill queries
     (record int32 [L, w, k], oldest query first) into the slot's hot buffer in order,
-    fetching them from the host pool, so step 0 finds most rows resident. Query q is
-    stamped step - w + q: older than the next decode step, in insertion order.
+    so step 0 finds most rows resident. Query q is stamped step - w + q: older than the
+    next decode step, in insertion order.
     Once per slot table: an IndexShare group's shared layers recorded their full
-    layer's top-k, so the full layer's record plans the group's table and each chunk of
-    misses fetches the rows of every layer in the group together.
+    layer's top-k, so the full layer's record plans the group's table.
+    The rows follow the table, not the sequence: resolution depends on positions only,
+    so after the loop each slot holds the row of the position its table names, and one
+    gather per group (every layer of the group in one transfer) fills exactly those
+    slots. The same bytes a fetch per query would leave, without a host gather inside a
+    loop (XLA:GPU's host offloader mis-assigns memory spaces there: a device scatter
+    after the loop was turned into host compute and failed verification, jax 0.11.2).
     fetch=False updates the slot tables only (the host-driven path then sends the rows
-    that ended up resident: resolution depends on positions only, so the hot buffer is
-    the same). → (cache, rows missed during the sequence, counted per layer)."""
+    that ended up resident). → (cache, rows missed during the sequence, counted per
+    layer)."""
     lat = cache.latent
     rows, pos, stamp = lat.rows, lat.slot_pos, lat.slot_stamp
     table = lat.page_table[slot][None]
     fetched = jnp.int32(0)
     for t, members in enumerate(table_groups(lat)):
-        hosts = tuple(lat.host[i] for i in members) if fetch else ()
-        layers = jnp.asarray(members, jnp.int32)
-
-        def body(q, carry, lead=members[0], hosts=hosts, n=len(members)):
-            r, p, s, missed = carry
+        def body(q, carry, lead=members[0], n=len(members)):
+            p, s, missed = carry
             stamp_q = lat.step - record.shape[1] + q
             res = resolve(p[None], s[None], record[lead, q][None, None], stamp_q, lat.policy,
                           num_positions=lat.num_positions)
-            if fetch:
-                r = fetch_in_jit(r, hosts, table, res, lat.page_size,
-                                 row_offset=tuple(range(n)))[0]
-            return r, res.slot_pos[0], res.slot_stamp[0], missed + n * res.n_miss.sum()
-        r, p, s, fetched = jax.lax.fori_loop(
-            0, record.shape[1], body,
-            (rows[layers, slot] if fetch else jnp.int32(0), pos[t, slot], stamp[t, slot],
-             fetched))
+            return res.slot_pos[0], res.slot_stamp[0], missed + n * res.n_miss.sum()
+        p, s, fetched = jax.lax.fori_loop(0, record.shape[1], body,
+                                          (pos[t, slot], stamp[t, slot], fetched))
         if fetch:
+            layers = jnp.asarray(members, jnp.int32)
+            r = fetch_in_jit(rows[layers, slot], tuple(lat.host[i] for i in members), table,
+                             resident_plan(p), lat.page_size,
+                             row_offset=tuple(range(len(members))))[0]
             rows = rows.at[layers, slot].set(r, mode="drop")
         pos = pos.at[t, slot].set(p, mode="drop")
         stamp = stamp.at[t, slot].set(s, mode="drop")
     lat = dataclasses.replace(lat, rows=rows, slot_pos=pos, slot_stamp=stamp)
     return dataclasses.replace(cache, latent=lat), fetched
+
+
+def resident_plan(slot_pos: jax.Array) -> Resolution:
+    """A fetch plan that loads every occupied slot of one table (slot_pos int32 [C], −1
+    empty) with its position's row; empty slots keep their bytes. Only the fields
+    `fetch_in_jit` reads with chunk_rows=0 are set."""
+    occupied = slot_pos >= 0
+    victim = jnp.where(occupied, jnp.arange(slot_pos.shape[0], dtype=jnp.int32), -1)
+    return Resolution(slot_ids=None, miss_pos=jnp.where(occupied, slot_pos, -1)[None],
+                      victim_slot=victim[None], n_miss=occupied.sum(dtype=jnp.int32)[None],
+                      slot_pos=None, slot_stamp=None, n_hit=None, n_lookup=None)
 
 
 class BoundStep:

@@ -141,6 +141,17 @@ class HostLatentPool:
                              "use view() (host-driven) or fetch via host callback")
         return self._layers[layer]
 
+    def set_array(self, layer: int, array: jax.Array) -> None:
+        """Take back a layer's array from a jit that donated `array(layer)` and returned
+        the pool (in its memory kind)."""
+        self._check_layer(layer)
+        if self._layers is None:
+            raise ValueError("HostLatentPool.set_array: storage='file' has no jax array")
+        if array.shape != self._layers[layer].shape or array.dtype != jnp.uint8:
+            raise ValueError(f"HostLatentPool.set_array: got {array.dtype}{list(array.shape)}, "
+                             f"allowed uint8{list(self._layers[layer].shape)}")
+        self._layers[layer] = array
+
     def write(self, layer: int, row_ids, rows) -> None:
         """Store rows (uint8 [n, row_bytes], device or host) at host row ids (−1 skipped).
         Asynchronous: a donated jitted scatter on the host memory kind, or for "file" a
