@@ -132,9 +132,10 @@ def warm_up(cache: DecodeCache, slot, record, *, fetch: bool = True):
     The rows follow the table, not the sequence: resolution depends on positions only,
     so after the loop each slot holds the row of the position its table names, and one
     gather per group (every layer of the group in one transfer) fills exactly those
-    slots. The same bytes a fetch per query would leave, without a host gather inside a
-    loop (XLA:GPU's host offloader mis-assigns memory spaces there: a device scatter
-    after the loop was turned into host compute and failed verification, jax 0.11.2).
+    slots, scattered straight into the whole buffer as the decode step's fetch is. The
+    same bytes a fetch per query would leave. (Fetching into a gathered slot copy and
+    writing it back failed on XLA:GPU, jax 0.11.2: the host offloader turned that
+    write-back into host compute and its verifier refused it.)
     fetch=False updates the slot tables only (the host-driven path then sends the rows
     that ended up resident). → (cache, rows missed during the sequence, counted per
     layer)."""
@@ -151,23 +152,25 @@ def warm_up(cache: DecodeCache, slot, record, *, fetch: bool = True):
             return res.slot_pos[0], res.slot_stamp[0], missed + n * res.n_miss.sum()
         p, s, fetched = jax.lax.fori_loop(0, record.shape[1], body,
                                           (pos[t, slot], stamp[t, slot], fetched))
-        if fetch:
-            layers = jnp.asarray(members, jnp.int32)
-            r = fetch_in_jit(rows[layers, slot], tuple(lat.host[i] for i in members), table,
-                             resident_plan(p), lat.page_size,
-                             row_offset=tuple(range(len(members))))[0]
-            rows = rows.at[layers, slot].set(r, mode="drop")
+        if fetch:   # into the whole buffer viewed [L*b, C, R], as the decode step does
+            n_layers, b, cap, rb = rows.shape
+            rows = fetch_in_jit(rows.reshape(n_layers * b, cap, rb),
+                                tuple(lat.host[i] for i in members), table,
+                                resident_plan(p, (slot >= 0) & (slot < b)), lat.page_size,
+                                row_offset=tuple(i * b + slot for i in members))[0]
+            rows = rows.reshape(n_layers, b, cap, rb)
         pos = pos.at[t, slot].set(p, mode="drop")
         stamp = stamp.at[t, slot].set(s, mode="drop")
     lat = dataclasses.replace(lat, rows=rows, slot_pos=pos, slot_stamp=stamp)
     return dataclasses.replace(cache, latent=lat), fetched
 
 
-def resident_plan(slot_pos: jax.Array) -> Resolution:
+def resident_plan(slot_pos: jax.Array, valid) -> Resolution:
     """A fetch plan that loads every occupied slot of one table (slot_pos int32 [C], −1
-    empty) with its position's row; empty slots keep their bytes. Only the fields
-    `fetch_in_jit` reads with chunk_rows=0 are set."""
-    occupied = slot_pos >= 0
+    empty) with its position's row; empty slots keep their bytes, and nothing is loaded
+    unless `valid` (a slot this rank owns). Only the fields `fetch_in_jit` reads with
+    chunk_rows=0 are set."""
+    occupied = (slot_pos >= 0) & valid
     victim = jnp.where(occupied, jnp.arange(slot_pos.shape[0], dtype=jnp.int32), -1)
     return Resolution(slot_ids=None, miss_pos=jnp.where(occupied, slot_pos, -1)[None],
                       victim_slot=victim[None], n_miss=occupied.sum(dtype=jnp.int32)[None],
