@@ -26,7 +26,6 @@ On CPU "host" and "device" are the same RAM: the figures measure the mechanics
 from __future__ import annotations
 
 import dataclasses
-import functools
 import pathlib
 import time
 
@@ -114,8 +113,8 @@ def _in_jit_step(lat, host, positions):
 
 
 def _jit_in_jit_step(pool):
-    """`_in_jit_step` jitted for `pool`: device state donated, outputs pinned (the pool
-    to its memory kind, the rest to the device)."""
+    """`_in_jit_step` jitted for `pool`: the device state and the pool donated, outputs
+    pinned (the pool to its memory kind, the rest to the device)."""
     dev = jax.sharding.SingleDeviceSharding(pool.device)
     return jax.jit(_in_jit_step, donate_argnums=(0, 1),
                    out_shardings=(dev, dev, dev, (pool.sharding,)))

@@ -15,6 +15,7 @@ OUT=${OUT:-out/probe}
 mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 PY=${PYTHON:-python}
+source "$REPO/tools/device_shapes.sh"
 SMALL=${PROBE_SMALL:-0}
 step() {  # step NAME TIMEOUT CMD...
   local name=$1 t=$2; shift 2
@@ -28,7 +29,7 @@ if [ "$SMALL" = 1 ]; then
 else
   FETCH=(--rows=512,2048,16384 --iters=5); CTX=32768
   DEC=(--layers=2 --topk=2048 --batch=8 --steps=5 --warmup=2)
-  SETS="model__hidden_size=7168,model__q_lora_rank=1536,model__num_attention_heads=128,model__qk_nope_head_dim=128,model__v_head_dim=128,model__kv_lora_rank=512,model__qk_rope_head_dim=64,model__index_n_heads=64,model__index_head_dim=128,cache__kv_format=fp8,cache__indexer_key_format=fp8"
+  SETS=$REAL_HEADS
 fi
 step fetch 60 "$PY" tools/bench_fetch.py "${FETCH[@]}" --paths=in_jit:0,in_jit:256,in_jit:2048,host_driven:0 --out="$OUT"
 step fetch_path 60 "$PY" tools/bench_fetch_path.py --steps=10 --warmup=4 --out="$OUT"
