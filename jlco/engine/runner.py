@@ -35,6 +35,7 @@ from jlco.engine.inputs import DecodeOutput, alternatives
 from jlco.engine.overlap import Follower, live
 from jlco.engine.prefill import WARMUP_QUERIES, PrefillJob
 from jlco.engine.scheduler import Request
+from jlco.model.decoder import fuse_projections
 from jlco.model.kv_cache import DecodeCache, cache_layers, scan_bucket
 from jlco.model.moe import unstack_experts
 from jlco.model.prefill import final_logits, prefill
@@ -55,10 +56,13 @@ class PendingDecode:
 
 
 def _for_backend(cfg: Config, model):
-    """`model`, its routed experts' weights unstacked in place on one XLA:CPU device
-    (`jlco.model.moe.unstack_experts`: XLA:CPU copies any slice a matmul reads)."""
+    """`model`, on one XLA:CPU device its routed experts' weights unstacked in place
+    (`jlco.model.moe.unstack_experts`: XLA:CPU copies any slice a matmul reads) and the
+    projections that read one input fused into one matmul each
+    (`jlco.model.decoder.fuse_projections`: small matvecs run on one core there)."""
     if jax.default_backend() == "cpu" and cfg.mesh.num_devices == 1:
         unstack_experts(model)
+        fuse_projections(model)
     return model
 
 

@@ -20,6 +20,20 @@ from jlco.model.mla import MLA
 from jlco.model.moe import MLP, MoE
 
 
+def fuse_projections(model: nnx.Module) -> int:
+    """`MLA.fuse` and `MLP.fuse` (dense FFN, shared experts) every block of `model` in
+    place → how many changed. For a model on one XLA:CPU device
+    (`jlco.engine.runner.ModelRunner` does this)."""
+    nodes = [n for _, n in nnx.iter_graph(model) if isinstance(n, (MLA, MLP))]
+    changed = 0
+    for node in nodes:
+        fused = node.x_proj if isinstance(node, MLA) else node.gate_up
+        if fused is None:
+            node.fuse()
+            changed += 1
+    return changed
+
+
 class DecoderLayer(nnx.Module):
     def __init__(self, cfg: ModelConfig, moe: bool, *, rngs: nnx.Rngs, layer: int = 0):
         dt = dtype_of(cfg)

@@ -37,13 +37,17 @@ class Indexer(nnx.Module):
         self.weights_proj = Linear(cfg.hidden_size, h, axes=("embed", None), dtype=jnp.float32,
                                    rngs=rngs)
 
-    def project(self, x: jax.Array, qr: jax.Array, cos: jax.Array, sin: jax.Array):
-        """→ q [b,s,H,D], k [b,s,D] (RoPE'd, emulated-fp8 if enabled), weights [b,s,H]."""
+    def project(self, x: jax.Array, qr: jax.Array, cos: jax.Array, sin: jax.Array,
+                q=None, k=None, w=None):
+        """→ q [b,s,H,D], k [b,s,D] (RoPE'd, emulated-fp8 if enabled), weights [b,s,H].
+        q / k / w given: wq_b(qr) / wk(x) / weights_proj(x) already computed (by a
+        `layers.Fused` of the MLA layer, whose own weights then are None)."""
         cfg, r = self.cfg, self.cfg.qk_rope_head_dim
         b, s, _ = x.shape
         with jax.named_scope("indexer_project"):
-            q = self.wq_b(qr).reshape(b, s, cfg.index_n_heads, cfg.index_head_dim)
-            k = self.k_norm(self.wk(x))
+            q = self.wq_b(qr) if q is None else q
+            q = q.reshape(b, s, cfg.index_n_heads, cfg.index_head_dim)
+            k = self.k_norm(self.wk(x) if k is None else k)
             rope = apply_rope_interleaved if cfg.indexer_rope_interleaved else apply_rope_half
             q = jnp.concatenate([rope(q[..., :r], cos, sin), q[..., r:]], axis=-1)
             k = jnp.concatenate([rope(k[..., :r], cos, sin), k[..., r:]], axis=-1)
@@ -52,7 +56,7 @@ class Indexer(nnx.Module):
                 q = fp8_emul.fp8_roundtrip(fp8_emul.hadamard_rotate(q), block)
                 k = fp8_emul.fp8_roundtrip(fp8_emul.hadamard_rotate(k), block)
             scale = (cfg.index_n_heads ** -0.5) * (cfg.index_head_dim ** -0.5)
-            w = self.weights_proj(x.astype(jnp.float32)) * scale
+            w = (self.weights_proj(x.astype(jnp.float32)) if w is None else w) * scale
         return q, k, w
 
     def topk(self, q, w, keys, k_scale, kernel_lengths, key_format: str, impl: str,

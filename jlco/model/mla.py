@@ -20,7 +20,7 @@ from flax import nnx
 from jlco.config import ModelConfig
 from jlco.model import attention, kv_cache
 from jlco.model.indexer import Indexer
-from jlco.model.layers import Linear, RMSNorm, apply_rope_interleaved, dtype_of, param
+from jlco.model.layers import Fused, Linear, RMSNorm, apply_rope_interleaved, dtype_of, param
 
 # q_a_layernorm / kv_a_layernorm eps: fixed, not config.rms_norm_eps, as transformers'
 # DeepseekV32 and GlmMoeDsa and DeepSeek's reference build them (GLM-5's rms_norm_eps is
@@ -72,10 +72,34 @@ class MLA(nnx.Module):
         self.o_proj = Linear(h * cfg.v_head_dim, cfg.hidden_size, axes=("heads", "embed"),
                              dtype=dt, rngs=rngs)
         self.indexer = None if cfg.shares_topk(layer) else Indexer(cfg, rngs=rngs)
+        self.x_proj = self.qr_proj = None       # `fuse`
 
-    def latent(self, x, cos, sin):
-        """New latent rows [b,s,c+r]: normed c | RoPE'd k_rope (de-interleaved layout)."""
-        c, k_rope = jnp.split(self.kv_a_proj_with_mqa(x), [self.cfg.kv_lora_rank], axis=-1)
+    def fuse(self) -> None:
+        """Run the projections that read the same input as one matmul each
+        (`layers.Fused`): q_a | kv_a | indexer wk | indexer weights_proj (the last when
+        it has the model's dtype) of x, q_b | indexer wq_b of the normed q latent. The
+        separate weights are dropped (held once). For one XLA:CPU device
+        (`jlco.engine.runner`); the checkpoint loader and the mesh use the separate form."""
+        if self.x_proj is not None:
+            return
+        ix = self.indexer
+        xs = [self.q_a_proj, self.kv_a_proj_with_mqa]
+        qs = [self.q_b_proj]
+        if ix is not None:
+            xs.append(ix.wk)
+            if ix.weights_proj.weight.dtype == ix.wk.weight.dtype:
+                xs.append(ix.weights_proj)
+                ix.weights_proj = None
+            qs.append(ix.wq_b)
+            ix.wk = ix.wq_b = None
+        self.x_proj, self.qr_proj = nnx.data(Fused(*xs)), nnx.data(Fused(*qs))
+        self.q_a_proj = self.kv_a_proj_with_mqa = self.q_b_proj = None
+
+    def latent(self, x, cos, sin, kv=None):
+        """New latent rows [b,s,c+r]: normed c | RoPE'd k_rope (de-interleaved layout);
+        kv: kv_a_proj_with_mqa(x) already computed."""
+        kv = self.kv_a_proj_with_mqa(x) if kv is None else kv
+        c, k_rope = jnp.split(kv, [self.cfg.kv_lora_rank], axis=-1)
         return jnp.concatenate([self.kv_a_layernorm(c), apply_rope_interleaved(k_rope, cos, sin)],
                                axis=-1)
 
@@ -83,11 +107,13 @@ class MLA(nnx.Module):
         """Absorbed queries [b,s,h,c+r] = [q_nope·W_UK | RoPE(q_rope)]."""
         return self.absorb(*self.head_queries(qr, cos, sin))
 
-    def head_queries(self, qr, cos, sin):
-        """Per-head queries before absorption: q_nope [b,s,h,n], RoPE(q_rope) [b,s,h,r]."""
+    def head_queries(self, qr, cos, sin, q=None):
+        """Per-head queries before absorption: q_nope [b,s,h,n], RoPE(q_rope) [b,s,h,r];
+        q: q_b_proj(qr) already computed."""
         cfg = self.cfg
         b, s, _ = qr.shape
-        q = self.q_b_proj(qr).reshape(b, s, cfg.num_attention_heads, cfg.qk_head_dim)
+        q = self.q_b_proj(qr) if q is None else q
+        q = q.reshape(b, s, cfg.num_attention_heads, cfg.qk_head_dim)
         q_nope, q_rope = jnp.split(q, [cfg.qk_nope_head_dim], axis=-1)
         return q_nope, apply_rope_interleaved(q_rope, cos, sin)
 
@@ -115,12 +141,21 @@ class MLA(nnx.Module):
 
     def projections(self, x, cos, sin):
         """`pre` with the queries per head, not yet absorbed ((q_nope, q_rope))."""
-        qr = self.q_a_layernorm(self.q_a_proj(x))
-        heads = self.head_queries(qr, cos, sin)
+        if self.x_proj is None:
+            qa, kv, given = self.q_a_proj(x), None, {}
+        else:
+            qa, kv, *rest = self.x_proj(x)
+            given = dict(zip(("k", "w"), rest))
+        qr = self.q_a_layernorm(qa)
+        q = None
+        if self.qr_proj is not None:
+            q, *rest = self.qr_proj(qr)
+            given.update(zip(("q",), rest))
+        heads = self.head_queries(qr, cos, sin, q)
         if self.indexer is None:
-            return self.latent(x, cos, sin), heads, None, None, None
-        iq, ik, iw = self.indexer.project(x, qr, cos, sin)
-        return self.latent(x, cos, sin), heads, iq, ik, iw
+            return self.latent(x, cos, sin, kv), heads, None, None, None
+        iq, ik, iw = self.indexer.project(x, qr, cos, sin, **given)
+        return self.latent(x, cos, sin, kv), heads, iq, ik, iw
 
     def attend(self, q, rows, ids, kv_format: str, impl: str):
         """Sparse MLA over byte rows [n, R] addressed by ids [b,s,k] → latent-space

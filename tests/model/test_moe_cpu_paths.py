@@ -53,11 +53,12 @@ def test_unstack_keeps_every_expert_and_is_idempotent():
     experts, *_ = _inputs(n=1)
     split = _unstacked(experts)
     assert split.per_expert and not experts.per_expert and split.num_experts == 16
-    for name in ("gate_proj", "up_proj", "down_proj"):
-        stacked, parts = getattr(experts, name)[...], getattr(split, name).get_value()
-        assert len(parts) == stacked.shape[0]
-        for e, part in enumerate(parts):
-            np.testing.assert_array_equal(part, stacked[e])
+    gate, up, down = (getattr(experts, p)[...] for p in ("gate_proj", "up_proj", "down_proj"))
+    gate_up, parts = split.gate_proj.get_value(), split.down_proj.get_value()
+    assert split.up_proj is None and len(gate_up) == len(parts) == 16
+    for e in range(16):     # gate | up of each expert side by side, down as it was
+        np.testing.assert_array_equal(gate_up[e], np.concatenate([gate[e], up[e]], axis=1))
+        np.testing.assert_array_equal(parts[e], down[e])
     split.unstack()
     assert len(split.gate_proj.get_value()) == 16
 
