@@ -25,13 +25,7 @@ def fuse_projections(model: nnx.Module) -> int:
     place → how many changed. For a model on one XLA:CPU device
     (`jlco.engine.runner.ModelRunner` does this)."""
     nodes = [n for _, n in nnx.iter_graph(model) if isinstance(n, (MLA, MLP))]
-    changed = 0
-    for node in nodes:
-        fused = node.x_proj if isinstance(node, MLA) else node.gate_up
-        if fused is None:
-            node.fuse()
-            changed += 1
-    return changed
+    return sum(node.fuse() for node in nodes)
 
 
 class DecoderLayer(nnx.Module):

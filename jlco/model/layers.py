@@ -48,7 +48,7 @@ class Linear(nnx.Module):
         return jnp.einsum("...i,io->...o", x.astype(w.dtype), w)
 
 
-class Fused(nnx.Module):
+class Fused(Linear):
     """Several `Linear`s that read the same input, as one matmul over their weights
     concatenated `[in, Σ out]`; returns each one's output. At batch 1 a matvec is bound
     by the bytes it reads, and XLA:CPU runs one of a few hundred KB on one core at
@@ -66,9 +66,7 @@ class Fused(nnx.Module):
         self.weight = nnx.Param(jnp.concatenate(ws, axis=1))
 
     def __call__(self, x: jax.Array) -> list[jax.Array]:
-        w = self.weight[...]
-        y = jnp.einsum("...i,io->...o", x.astype(w.dtype), w)
-        return jnp.split(y, np.cumsum(self.sizes)[:-1].tolist(), axis=-1)
+        return jnp.split(super().__call__(x), np.cumsum(self.sizes)[:-1].tolist(), axis=-1)
 
 
 class RMSNorm(nnx.Module):

@@ -74,14 +74,15 @@ class MLA(nnx.Module):
         self.indexer = None if cfg.shares_topk(layer) else Indexer(cfg, rngs=rngs)
         self.x_proj = self.qr_proj = None       # `fuse`
 
-    def fuse(self) -> None:
+    def fuse(self) -> bool:
         """Run the projections that read the same input as one matmul each
         (`layers.Fused`): q_a | kv_a | indexer wk | indexer weights_proj (the last when
         it has the model's dtype) of x, q_b | indexer wq_b of the normed q latent. The
         separate weights are dropped (held once). For one XLA:CPU device
-        (`jlco.engine.runner`); the checkpoint loader and the mesh use the separate form."""
+        (`jlco.engine.runner`); the checkpoint loader and the mesh use the separate form.
+        → whether it changed anything (False: already fused)."""
         if self.x_proj is not None:
-            return
+            return False
         ix = self.indexer
         xs = [self.q_a_proj, self.kv_a_proj_with_mqa]
         qs = [self.q_b_proj]
@@ -94,6 +95,7 @@ class MLA(nnx.Module):
             ix.wk = ix.wq_b = None
         self.x_proj, self.qr_proj = nnx.data(Fused(*xs)), nnx.data(Fused(*qs))
         self.q_a_proj = self.kv_a_proj_with_mqa = self.q_b_proj = None
+        return True
 
     def latent(self, x, cos, sin, kv=None):
         """New latent rows [b,s,c+r]: normed c | RoPE'd k_rope (de-interleaved layout);
@@ -141,20 +143,19 @@ class MLA(nnx.Module):
 
     def projections(self, x, cos, sin):
         """`pre` with the queries per head, not yet absorbed ((q_nope, q_rope))."""
+        # Fused (`fuse`): x → q_a | kv_a [| wk [| weights_proj]], qr → q_b [| wq_b].
+        k = w = q = iq = None
         if self.x_proj is None:
-            qa, kv, given = self.q_a_proj(x), None, {}
+            qa, kv = self.q_a_proj(x), None
         else:
-            qa, kv, *rest = self.x_proj(x)
-            given = dict(zip(("k", "w"), rest))
+            qa, kv, k, w = (*self.x_proj(x), None, None)[:4]
         qr = self.q_a_layernorm(qa)
-        q = None
         if self.qr_proj is not None:
-            q, *rest = self.qr_proj(qr)
-            given.update(zip(("q",), rest))
+            q, iq = (*self.qr_proj(qr), None)[:2]
         heads = self.head_queries(qr, cos, sin, q)
         if self.indexer is None:
             return self.latent(x, cos, sin, kv), heads, None, None, None
-        iq, ik, iw = self.indexer.project(x, qr, cos, sin, **given)
+        iq, ik, iw = self.indexer.project(x, qr, cos, sin, q=iq, k=k, w=w)
         return self.latent(x, cos, sin, kv), heads, iq, ik, iw
 
     def attend(self, q, rows, ids, kv_format: str, impl: str):

@@ -42,11 +42,14 @@ class MLP(nnx.Module):
         self.down_proj = Linear(inter, d, axes=("mlp", "embed"), dtype=dtype, rngs=rngs)
         self.gate_up = None     # `fuse`
 
-    def fuse(self) -> None:
-        """gate | up as one matmul (`layers.Fused`), the separate weights dropped."""
-        if self.gate_up is None:
-            self.gate_up = nnx.data(Fused(self.gate_proj, self.up_proj))
-            self.gate_proj = self.up_proj = None
+    def fuse(self) -> bool:
+        """gate | up as one matmul (`layers.Fused`), the separate weights dropped →
+        whether it changed anything (False: already fused)."""
+        if self.gate_up is not None:
+            return False
+        self.gate_up = nnx.data(Fused(self.gate_proj, self.up_proj))
+        self.gate_proj = self.up_proj = None
+        return True
 
     def __call__(self, x):
         if self.gate_up is None:
