@@ -2,8 +2,6 @@
 the projections that read one input run as one matmul, with the same outputs, and the
 separate weights are dropped."""
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -36,13 +34,12 @@ def test_fused_mla_projections_equal_the_separate_ones():
 
 
 def test_fused_mla_without_indexer():
-    cfg = dataclasses.replace(CFG, index_topk=CFG.index_topk)
-    mla = MLA(cfg, rngs=nnx.Rngs(4))
+    mla = MLA(CFG, rngs=nnx.Rngs(4))
     mla.indexer = None                 # a layer that shares its top-k (IndexShare)
     fused = nnx.clone(mla)
     fused.fuse()
-    x = _x(cfg.hidden_size)
-    cos, sin = rope_cos_sin(cfg, jnp.arange(3)[None].repeat(2, 0))
+    x = _x(CFG.hidden_size)
+    cos, sin = rope_cos_sin(CFG, jnp.arange(3)[None].repeat(2, 0))
     ref, out = mla.projections(x, cos, sin), fused.projections(x, cos, sin)
     assert out[2:] == (None, None, None)
     for a, b in zip(jax.tree.leaves(ref), jax.tree.leaves(out), strict=True):
