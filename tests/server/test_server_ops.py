@@ -193,7 +193,7 @@ def test_sigterm_answers_503_until_the_port_closes():
 
     def long_stream():
         with httpx.stream("POST", f"{srv.url}/v1/completions", timeout=120, json={
-                "prompt": [5] * 20, "max_tokens": 300, "ignore_eos": True, "stream": True,
+                "prompt": [5] * 20, "max_tokens": 480, "ignore_eos": True, "stream": True,
                 "temperature": 0}) as r:
             for line in r.iter_lines():
                 if line.startswith("data: {"):
@@ -205,7 +205,12 @@ def test_sigterm_answers_503_until_the_port_closes():
     t.start()
     assert started.wait(120)
     srv.proc.send_signal(signal.SIGTERM)
-    time.sleep(0.5)
+    # Ask as soon as the server says it drains: the stream (480 tokens) may finish in well
+    # under a second on a fast machine, and then the port closes (a fixed sleep raced it).
+    deadline = time.monotonic() + 30
+    while httpx.get(f"{srv.url}/health", timeout=60).status_code != 503:
+        assert time.monotonic() < deadline, "the server never reported draining"
+        time.sleep(0.005)
     r = httpx.post(f"{srv.url}/v1/completions", json={"prompt": "x", "max_tokens": 1},
                    timeout=60)
     assert r.status_code == 503 and r.json()["error"]["code"] == 503, r.text
@@ -214,7 +219,7 @@ def test_sigterm_answers_503_until_the_port_closes():
     assert code == 0, srv.stderr[-3000:]
     assert reasons in (["length"], ["abort"]), reasons
     assert "drained:" in srv.stderr and "Traceback" not in srv.stderr
-    # 300 tokens of the tiny model take seconds, not 20: the stream finished in the grace
+    # 480 tokens of the tiny model take seconds, not 20: the stream finished in the grace
     if reasons == ["length"]:
         assert "drained: 1 running request(s) finished in" in srv.stderr, srv.stderr[-2000:]
 
