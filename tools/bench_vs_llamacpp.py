@@ -11,7 +11,10 @@ ids, so it only has to exist); it refuses tokenizers it does not know by hash, s
 pre-tokenizer check is bypassed (tokenization is never used).
 
 For each `--contexts` length and `--batches` size: `batch` random prompts of `context`
-tokens, then `--new_tokens` greedy tokens each. Measured per engine, after a warm-up round
+tokens, then `--new_tokens` greedy tokens each. Each engine measures each setting in a
+process of its own (run one after another in one process, a later setting ran slower:
+jlco's 8K batch-4 step 59.4 ms after the batch-1 setting, 28.7 ms alone). Measured per
+engine, after a warm-up round
 of the same shapes (jlco's compiles; llama.cpp's buffers), median of `--rounds`; every
 round draws new prompts (both engines get the same ones), and jlco's prefix cache is off,
 so neither engine reuses a cached prompt (llama.cpp clears its KV cache each round):
@@ -35,6 +38,11 @@ Needs the optional extra: pip install -e '.[llamacpp]' (builds llama.cpp, ~15 mi
 
   python tools/bench_vs_llamacpp.py --contexts=2048,8192,32768 --batches=1,4 \\
       --llama_cpp_src=/tmp/llsdist/llama_cpp_python-0.3.36/vendor/llama.cpp --out=out/vs_llamacpp
+
+Long contexts take long (32K at batch 1: minutes of prefill per round), so contexts are
+often run apart; `--merge=a/vs_llamacpp.json,b/vs_llamacpp.json --out=out/all` writes one
+table, JSON and plot over them (each setting keeps its own run's machine reading), the
+plot with jlco ÷ llama.cpp beside the issue's 1.0× and 1.5× bars.
 """
 
 from __future__ import annotations
@@ -90,6 +98,11 @@ def define_flags() -> None:
     flags.DEFINE_float("peak_gflops", 0.0, "roofline f32 peak, GFLOP/s (0 = measure)")
     flags.DEFINE_multi_string("override", [], "jlco config override section.field=value "
                               "(repeatable), e.g. engine.async_scheduling=false for an A/B")
+    flags.DEFINE_string("child", "", "internal: ENGINE:CONTEXT:BATCH:DIR, one engine's "
+                        "measurement in a process of its own (set by this tool)")
+    flags.DEFINE_list("merge", [], "instead of measuring: JSON files of earlier runs "
+                      "(one table and plot over all their settings, each with its run's "
+                      "machine reading)")
     flags.DEFINE_string("out", "out/vs_llamacpp", "directory for the JSON and PNG")
     flags.DEFINE_bool("json", False, "print the JSON to stdout (the table to stderr)")
 
@@ -273,23 +286,49 @@ def measure(engine, rounds_prompts) -> dict:
                 decode_tok_s=len(prompts) / step, tokens=rounds[-1]["tokens"])
 
 
-def setting(ckpt: str, gguf: str, machine, context: int, batch: int) -> dict:
+ENGINES = {"jlco": Jlco, "llamacpp": LlamaCpp}
+
+
+def measure_child(spec: str) -> None:
+    """`--child=ENGINE:CONTEXT:BATCH:DIR`: one engine on one setting in this process (the
+    prompts, checkpoint and GGUF are in DIR); its `measure` dict to DIR/ENGINE.json."""
+    name, context, batch, d = spec.split(":", 3)
+    context, batch = int(context), int(batch)
+    prompts = json.loads(pathlib.Path(d, "prompts.json").read_text())
+    path = os.path.join(d, "hf") if name == "jlco" else os.path.join(d, "model.gguf")
+    engine = ENGINES[name](path, batch, context)
+    try:
+        out = measure(engine, prompts)
+    finally:
+        engine.close()
+    pathlib.Path(d, f"{name}.json").write_text(json.dumps(out))
+
+
+def _in_child(name: str, context: int, batch: int, d: str) -> dict:
+    """One engine on one setting in a process of its own: measured in one process, an
+    engine ran slower after the settings before it (jlco's 8K batch-4 step: 59.4 ms after
+    the batch-1 setting, 28.7 ms alone), and neither engine may leave threads or memory
+    behind for the other."""
+    argv = [a for a in sys.argv[1:] if not a.startswith("--child")]
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), *argv,
+                           f"--child={name}:{context}:{batch}:{d}"])
+    if proc.returncode != 0:
+        cli.fail(PROG, f"{name} at context {context}, batch {batch} failed "
+                       f"(exit {proc.returncode}; its errors are above)", cli.FAILURE_EXIT)
+    return json.loads(pathlib.Path(d, f"{name}.json").read_text())
+
+
+def setting(d: str, cfg, machine, context: int, batch: int) -> dict:
+    """Both engines on `batch` prompts of `context` tokens, each engine in its own
+    process, on the same prompts (new ones every round)."""
     from jlco.planning import roofline
     rng = np.random.default_rng(context * 10 + batch)
-    jl = Jlco(ckpt, batch, context)
-    prompts = [rng.integers(0, jl.cfg.model.vocab_size, (batch, context)).tolist()
+    prompts = [rng.integers(0, cfg.model.vocab_size, (batch, context)).tolist()
                for _ in range(FLAGS.rounds + 1)]
-    try:
-        ours = measure(jl, prompts)
-    finally:
-        jl.close()
-    lc = LlamaCpp(gguf, batch, context)
-    try:
-        peer = measure(lc, prompts)
-    finally:
-        lc.close()
-    pre_roof = batch * roofline.decode_step_cost(jl.cfg, 1, 0, s_q=context).time_s(machine)
-    step_roof = roofline.decode_step_cost(jl.cfg, batch, context).time_s(machine)
+    pathlib.Path(d, "prompts.json").write_text(json.dumps(prompts))
+    ours, peer = (_in_child(name, context, batch, d) for name in ENGINES)
+    pre_roof = batch * roofline.decode_step_cost(cfg, 1, 0, s_q=context).time_s(machine)
+    step_roof = roofline.decode_step_cost(cfg, batch, context).time_s(machine)
     for side in (ours, peer):
         side["prefill_over_roofline"] = side["prefill_s"] / pre_roof
         side["step_over_roofline"] = side["step_ms"] / (1e3 * step_roof)
@@ -301,10 +340,19 @@ def setting(ckpt: str, gguf: str, machine, context: int, batch: int) -> dict:
                 same_tokens=ours["tokens"] == peer["tokens"])
 
 
+def _machine_line(m: dict) -> str:
+    return (f"{m['mem_gbps']:.1f} GB/s read at {m['working_set_mb']:.0f} MB, "
+            f"{m['peak_gflops']:.0f} GFLOP/s f32")
+
+
 def table(out: dict) -> str:
-    m = out["machine"]
-    lines = [f"roofline machine: {m['mem_gbps']:.1f} GB/s read at {m['working_set_mb']:.0f} MB, "
-             f"{m['peak_gflops']:.0f} GFLOP/s f32; llama.cpp KV {out['kv_type']}",
+    if "machine" in out:
+        head = f"roofline machine: {_machine_line(out['machine'])}"
+    else:   # merged runs: each setting's roofline is from its own run's probe
+        head = "roofline machines: " + "; ".join(
+            f"{', '.join(str(c) for c in ctxs)}: {_machine_line(m)}"
+            for ctxs, m in _runs(out))
+    lines = [f"{head}; llama.cpp KV {out['kv_type']}",
              f"{'ctx':>6}{'b':>3} {'engine':9}{'prefill s':>10}{'tok/s':>8}{'x roof':>8}"
              f"{'step ms':>9}{'tok/s':>8}{'x roof':>8}  tokens"]
     for r in out["results"]:
@@ -327,18 +375,26 @@ def plot(out: dict, path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     batches = sorted({r["batch"] for r in out["results"]})
-    fig, axes = plt.subplots(len(batches), 2, figsize=(9, 3.2 * len(batches)), squeeze=False)
+    fig, axes = plt.subplots(len(batches), 3, figsize=(13, 3.2 * len(batches)), squeeze=False)
     for row, b in zip(axes, batches):
-        rs = [r for r in out["results"] if r["batch"] == b]
+        rs = sorted((r for r in out["results"] if r["batch"] == b), key=lambda r: r["context"])
         ctx = [r["context"] for r in rs]
         for ax, key, label in ((row[0], "prefill_tok_s", "prefill tokens/s"),
                                (row[1], "decode_tok_s", "decode tokens/s")):
             for name, color in (("jlco", "C0"), ("llamacpp", "C1")):
                 ax.plot(ctx, [r[name][key] for r in rs], "o-", color=color,
                         label="llama.cpp" if name == "llamacpp" else name)
+        # jlco ÷ llama.cpp beside the issue's bars (1.0×; 1.5× for batch 4 and 16K+ decode)
+        ax = row[2]
+        for key, color, label in (("prefill_speedup", "C2", "prefill"),
+                                  ("decode_speedup", "C3", "decode")):
+            ax.plot(ctx, [r[key] for r in rs], "o-", color=color, label=label)
+        for bar in (1.0, 1.5):
+            ax.axhline(bar, color="grey", lw=0.8, ls="--")
+        ax.set_ylabel(f"jlco ÷ llama.cpp, batch {b}")
+        for ax in row:
             ax.set_xscale("log", base=2)
             ax.set_xlabel("context (tokens)")
-            ax.set_ylabel(f"{label}, batch {b}")
             ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -348,6 +404,10 @@ def plot(out: dict, path) -> None:
 def main(argv) -> None:
     if len(argv) > 1:
         cli.fail(PROG, f"unexpected arguments: {argv[1:]}")
+    if FLAGS.child:
+        return measure_child(FLAGS.child)
+    if FLAGS.merge:
+        return _write(merge(FLAGS.merge))
     contexts, batches = _ints("contexts", FLAGS.contexts), _ints("batches", FLAGS.batches)
     try:
         import llama_cpp  # noqa: F401
@@ -356,8 +416,8 @@ def main(argv) -> None:
     from jlco.config import apply_overrides, load_config
     from jlco.planning import probe, roofline
     cfg = load_config(ROOT / FLAGS.config)
-    try:
-        apply_overrides(cfg, FLAGS.override)   # a bad one fails before the slow setup
+    try:   # a bad override fails before the slow setup
+        jlco_cfg = apply_overrides(cfg, FLAGS.override)   # the rooflines count its cache
     except ValueError as e:
         cli.fail(PROG, str(e))
     results = []
@@ -373,11 +433,48 @@ def main(argv) -> None:
         for context in contexts:
             for batch in batches:
                 print(f"context {context}, batch {batch} ...", file=sys.stderr)
-                results.append(setting(ckpt, gguf, machine, context, batch))
+                results.append(setting(d, jlco_cfg, machine, context, batch))
     out = dict(config=FLAGS.config, overrides=FLAGS.override, new_tokens=FLAGS.new_tokens,
                rounds=FLAGS.rounds, kv_type=FLAGS.kv_type, results=results,
                machine=dict(m, platform=platform.platform(), cpus=os.cpu_count(),
                             cpu=_cpu_model()))
+    _write(out)
+
+
+def _runs(out: dict) -> list[tuple[list[int], dict]]:
+    """Merged runs: (their contexts, their machine reading), in order."""
+    runs = []
+    for r in out["results"]:
+        m = r["machine"]
+        if not runs or runs[-1][1] != m:
+            runs.append(([], m))
+        if r["context"] not in runs[-1][0]:
+            runs[-1][0].append(r["context"])
+    return runs
+
+
+def merge(paths: list[str]) -> dict:
+    """Earlier runs' JSON → one report: every setting keeps its own run's machine
+    reading (its rooflines came from it); runs must share the config and KV type."""
+    runs = []
+    for p in paths:
+        try:
+            runs.append(json.loads(pathlib.Path(p).read_text()))
+        except (OSError, ValueError) as e:
+            cli.fail(PROG, f"--merge: cannot read {p}: {e}")
+        if "machine" not in runs[-1] or "results" not in runs[-1]:
+            cli.fail(PROG, f"--merge: {p} is not one run's JSON (no machine/results)")
+    for key in ("config", "overrides", "kv_type", "new_tokens"):
+        if len({json.dumps(r.get(key)) for r in runs}) > 1:
+            cli.fail(PROG, f"--merge: the runs differ in {key!r}: "
+                           f"{[r.get(key) for r in runs]}")
+    results = [dict(r, machine=run["machine"]) for run in runs for r in run["results"]]
+    return dict(config=runs[0]["config"], overrides=runs[0]["overrides"],
+                new_tokens=runs[0]["new_tokens"], rounds=[run["rounds"] for run in runs],
+                kv_type=runs[0]["kv_type"], merged_from=list(paths), results=results)
+
+
+def _write(out: dict) -> None:
     dest = pathlib.Path(FLAGS.out)
     dest.mkdir(parents=True, exist_ok=True)
     plot(out, dest / "vs_llamacpp.png")

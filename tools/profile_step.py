@@ -117,7 +117,10 @@ def profile_decode(model, context: int) -> dict:
         eng.drain()
     fams = {}
     if run.host is None and run.spec is None:
-        fams = op_families(trace_dir, run.decode_fn.lower(*args).compile().as_text(), 2)
+        hlo = run.decode_fn.lower(*args).compile().as_text()
+        # Beside the trace: the thunk names in it (fusions, custom calls) are this text's.
+        pathlib.Path(trace_dir, "decode_step.hlo.txt").write_text(hlo)
+        fams = op_families(trace_dir, hlo, 2)
     return dict(context=context, batch=FLAGS.batch,
                 step_ms=1e3 * float(np.median(eng.step_seconds[:FLAGS.steps])),
                 op_ms=fams)
