@@ -384,6 +384,7 @@ def plot(out: dict, path) -> None:
             for name, color in (("jlco", "C0"), ("llamacpp", "C1")):
                 ax.plot(ctx, [r[name][key] for r in rs], "o-", color=color,
                         label="llama.cpp" if name == "llamacpp" else name)
+            ax.set_ylabel(f"{label}, batch {b}")
         # jlco ÷ llama.cpp beside the bars (1.0×; 1.5× for batch 4 and 16K+ decode)
         ax = row[2]
         for key, color, label in (("prefill_speedup", "C2", "prefill"),
