@@ -292,8 +292,14 @@ ENGINES = {"jlco": Jlco, "llamacpp": LlamaCpp}
 def measure_child(spec: str) -> None:
     """`--child=ENGINE:CONTEXT:BATCH:DIR`: one engine on one setting in this process (the
     prompts, checkpoint and GGUF are in DIR); its `measure` dict to DIR/ENGINE.json."""
-    name, context, batch, d = spec.split(":", 3)
-    context, batch = int(context), int(batch)
+    try:
+        name, context, batch, d = spec.split(":", 3)
+        context, batch = int(context), int(batch)
+        if name not in ENGINES:
+            raise ValueError(name)
+    except ValueError:
+        cli.fail(PROG, f"--child={spec}: allowed ENGINE:CONTEXT:BATCH:DIR with ENGINE one "
+                       f"of {', '.join(ENGINES)} (set by this tool itself)")
     prompts = json.loads(pathlib.Path(d, "prompts.json").read_text())
     path = os.path.join(d, "hf") if name == "jlco" else os.path.join(d, "model.gguf")
     engine = ENGINES[name](path, batch, context)

@@ -85,3 +85,8 @@ def test_merge_refuses_runs_that_differ(tmp_path):
     assert proc.returncode == 2 and "the runs differ in 'kv_type'" in proc.stderr
     proc = _bench(f"--merge={tmp_path / 'missing.json'}", f"--out={tmp_path / 'all'}")
     assert proc.returncode == 2 and "cannot read" in proc.stderr
+
+
+def test_bad_child_spec_is_named():
+    proc = _bench("--child=vllm:2048:1:/tmp")
+    assert proc.returncode == 2 and "--child=vllm:2048:1:/tmp: allowed ENGINE" in proc.stderr
