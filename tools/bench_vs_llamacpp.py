@@ -287,6 +287,7 @@ def measure(engine, rounds_prompts) -> dict:
 
 
 ENGINES = {"jlco": Jlco, "llamacpp": LlamaCpp}
+MODEL_FILES = {"jlco": "hf", "llamacpp": "model.gguf"}   # what each reads, in the run's dir
 
 
 def measure_child(spec: str) -> None:
@@ -301,8 +302,7 @@ def measure_child(spec: str) -> None:
         cli.fail(PROG, f"--child={spec}: allowed ENGINE:CONTEXT:BATCH:DIR with ENGINE one "
                        f"of {', '.join(ENGINES)} (set by this tool itself)")
     prompts = json.loads(pathlib.Path(d, "prompts.json").read_text())
-    path = os.path.join(d, "hf") if name == "jlco" else os.path.join(d, "model.gguf")
-    engine = ENGINES[name](path, batch, context)
+    engine = ENGINES[name](os.path.join(d, MODEL_FILES[name]), batch, context)
     try:
         out = measure(engine, prompts)
     finally:
@@ -311,10 +311,8 @@ def measure_child(spec: str) -> None:
 
 
 def _in_child(name: str, context: int, batch: int, d: str) -> dict:
-    """One engine on one setting in a process of its own: measured in one process, an
-    engine ran slower after the settings before it (jlco's 8K batch-4 step: 59.4 ms after
-    the batch-1 setting, 28.7 ms alone), and neither engine may leave threads or memory
-    behind for the other."""
+    """One engine on one setting in a process of its own (why: the module docstring), so
+    neither engine nor an earlier setting leaves threads or memory behind for it."""
     argv = [a for a in sys.argv[1:] if not a.startswith("--child")]
     proc = subprocess.run([sys.executable, os.path.abspath(__file__), *argv,
                            f"--child={name}:{context}:{batch}:{d}"])
@@ -429,7 +427,7 @@ def main(argv) -> None:
         cli.fail(PROG, str(e))
     results = []
     with tempfile.TemporaryDirectory() as d:
-        ckpt, gguf = os.path.join(d, "hf"), os.path.join(d, "model.gguf")
+        ckpt, gguf = (os.path.join(d, MODEL_FILES[n]) for n in ("jlco", "llamacpp"))
         write_checkpoint(cfg, ckpt)
         convert(ckpt, gguf)
         print("measuring the machine ...", file=sys.stderr)
