@@ -522,6 +522,12 @@ class EngineConfig:
                         (CPU), "xla" forces the plain-jnp fallback, "pallas" requires the
                         kernel, "interpret" runs the kernel in Pallas interpret mode off
                         accelerators (a test tool, slow).
+    cpu_matmul:         decode-sized f32 matmuls (at most 8 rows) on one XLA:CPU device:
+                        "auto" runs them on jlco's small-M kernel (`jlco.native`, C++
+                        compiled on first use) when it builds here and on XLA's dot
+                        otherwise (with a warning), "native" requires the kernel, "xla"
+                        never uses it. XLA:CPU runs M = 2..8 at a third of its matvec
+                        speed; the kernel streams each weight once for all rows.
     async_scheduling:   queue each plain decode step behind the one still computing, its
                         input tokens taken on the device from that step's output, and read
                         the earlier step's tokens while the device works (vLLM's
@@ -540,6 +546,7 @@ class EngineConfig:
     num_draft_tokens: int = 0
     spec_sampling: str = "per_token"
     attention_impl: str = "auto"
+    cpu_matmul: str = "auto"
     seed: int = 0
     async_scheduling: bool = True
 
@@ -551,6 +558,7 @@ class EngineConfig:
                self.num_draft_tokens, "an integer in 0..7")
         _one_of(self, p, "attention_impl", ("auto", "xla", "pallas", "interpret"))
         _one_of(self, p, "spec_sampling", ("per_token", "rejection"))
+        _one_of(self, p, "cpu_matmul", ("auto", "native", "xla"))
         _check(0 <= self.seed < 2 ** 32, f"{p}.seed", self.seed, "an integer in 0..2**32-1")
 
 

@@ -55,6 +55,8 @@ def define_flags() -> None:
     flags.DEFINE_integer("prefill_chunk", 512, "engine.prefill_chunk", lower_bound=1)
     flags.DEFINE_bool("offload", False, "latent cache in host memory")
     flags.DEFINE_enum("impl", "auto", ["auto", "xla", "interpret"], "attention/indexer impl")
+    flags.DEFINE_enum("cpu_matmul", "auto", ["auto", "native", "xla"],
+                      "engine.cpu_matmul: decode-sized matmuls on jlco's kernel or XLA's dot")
     flags.DEFINE_string("out", "out/profile", "directory for profile.json and traces")
     flags.DEFINE_bool("json", False, "print the JSON to stdout instead of the table")
 
@@ -64,6 +66,7 @@ def make_config(context: int, batch: int):
     return cfg.replace(engine__max_batch_size=batch, engine__max_context_len=context + 64,
                        engine__prefill_chunk=FLAGS.prefill_chunk,
                        engine__attention_impl=FLAGS.impl, cache__offload=FLAGS.offload,
+                       engine__cpu_matmul=FLAGS.cpu_matmul,
                        cache__page_size=64)
 
 

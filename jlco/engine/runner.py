@@ -35,7 +35,8 @@ from jlco.engine.inputs import DecodeOutput, alternatives
 from jlco.engine.overlap import Follower, live
 from jlco.engine.prefill import WARMUP_QUERIES, PrefillJob
 from jlco.engine.scheduler import Request
-from jlco.model.decoder import fuse_projections
+from jlco import native
+from jlco.model.decoder import fuse_projections, use_native_matmuls
 from jlco.model.kv_cache import DecodeCache, cache_layers, scan_bucket
 from jlco.model.moe import unstack_experts
 from jlco.model.prefill import final_logits, prefill
@@ -57,13 +58,34 @@ class PendingDecode:
 
 def _for_backend(cfg: Config, model):
     """`model`, on one XLA:CPU device its routed experts' weights unstacked in place
-    (`jlco.model.moe.unstack_experts`: XLA:CPU copies any slice a matmul reads) and the
+    (`jlco.model.moe.unstack_experts`: XLA:CPU copies any slice a matmul reads), the
     projections that read one input fused into one matmul each
-    (`jlco.model.decoder.fuse_projections`: small matvecs run on one core there)."""
+    (`jlco.model.decoder.fuse_projections`: small matvecs run on one core there) and,
+    per `engine.cpu_matmul`, decode-sized products on the small-M kernel
+    (`jlco.model.decoder.use_native_matmuls`: XLA:CPU runs M = 2..8 at a third of its
+    matvec speed)."""
     if jax.default_backend() == "cpu" and cfg.mesh.num_devices == 1:
         unstack_experts(model)
         fuse_projections(model)
+        if native_matmul(cfg.engine.cpu_matmul):
+            use_native_matmuls(model)
     return model
+
+
+def native_matmul(choice: str) -> bool:
+    """Whether `engine.cpu_matmul` = choice runs the small-M kernel on this machine:
+    "auto" when it builds here, "native" always (an error naming why it cannot), "xla"
+    never."""
+    if choice == "xla":
+        return False
+    if choice == "native":
+        try:
+            native.load()
+        except native.NativeUnavailable as e:
+            raise ValueError(f"engine.cpu_matmul='native': {e} (allowed: 'auto' falls back "
+                             "to XLA's dot, 'xla' never uses the kernel)") from e
+        return True
+    return native.available()
 
 
 class ModelRunner:

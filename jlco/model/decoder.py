@@ -17,7 +17,20 @@ from jlco.config import ModelConfig
 from jlco.model import kv_cache
 from jlco.model.layers import Linear, RMSNorm, dtype_of, param, rope_cos_sin
 from jlco.model.mla import MLA
-from jlco.model.moe import MLP, MoE
+from jlco.model.moe import MLP, Experts, MoE
+
+
+def use_native_matmuls(model: nnx.Module) -> int:
+    """Route every f32 product of at most `jlco.native.MAX_ROWS` rows (a decode step's)
+    through the small-M kernel: each `Linear` (and `Fused`), the routed experts and
+    MLA's W_UK / W_UV → how many modules changed. For a model on one XLA:CPU device
+    whose kernels `jlco.native.load()` built (`jlco.engine.runner.ModelRunner` does
+    this, per `engine.cpu_matmul`)."""
+    nodes = [n for _, n in nnx.iter_graph(model) if isinstance(n, (Linear, MLA, Experts))]
+    changed = [n for n in nodes if not n.native]
+    for node in changed:
+        node.native = True
+    return len(changed)
 
 
 def fuse_projections(model: nnx.Module) -> int:

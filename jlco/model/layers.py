@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jlco import native
 from jlco.config import ModelConfig
 
 
@@ -37,7 +38,11 @@ def param(rngs: nnx.Rngs, shape: tuple[int, ...], dtype, axes: tuple[str | None,
 
 
 class Linear(nnx.Module):
-    """y = x @ W, W stored `[in, out]`; computes in the weight's dtype."""
+    """y = x @ W, W stored `[in, out]`; computes in the weight's dtype. With `native`
+    set (`jlco.model.decoder.use_native_matmuls`, one XLA:CPU device) an f32 product of
+    at most `native.MAX_ROWS` rows runs the small-M kernel (`jlco.native`)."""
+
+    native = False
 
     def __init__(self, d_in: int, d_out: int, *, axes: tuple[str | None, str | None],
                  dtype, rngs: nnx.Rngs):
@@ -45,7 +50,10 @@ class Linear(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         w = self.weight[...]
-        return jnp.einsum("...i,io->...o", x.astype(w.dtype), w)
+        x = x.astype(w.dtype)
+        if self.native and native.supports(x, w):
+            return native.linear(x, w)
+        return jnp.einsum("...i,io->...o", x, w)
 
 
 class Fused(Linear):

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jlco import native
 from jlco.config import ModelConfig
 from jlco.model.layers import Fused, Linear, dtype_of, param
 from jlco.parallel import expert as expert_parallel
@@ -88,6 +89,8 @@ class Router(nnx.Module):
 class Experts(nnx.Module):
     """Routed experts stacked on a leading expert axis (expert-parallel sharding axis)."""
 
+    native = False      # per-expert products on the small-M kernel (`Linear.native`)
+
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         dt, e, d, i = dtype_of(cfg), cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
         self.gate_proj = param(rngs, (e, d, i), dt, ("expert", "embed", "mlp"))
@@ -153,8 +156,10 @@ class Experts(nnx.Module):
     def _expert(self, e: int, xt):
         """Expert e (per-expert weights, gate | up fused) on the rows xt [m, d] → [m, d] f32."""
         gate_up, down = self.gate_proj.get_value()[e], self.down_proj.get_value()[e]
-        gate, up = jnp.split(xt.astype(gate_up.dtype) @ gate_up, 2, axis=-1)
-        return ((jax.nn.silu(gate) * up) @ down).astype(jnp.float32)
+        xt = xt.astype(gate_up.dtype)
+        mm = native.linear if self.native and native.supports(xt, gate_up) else jnp.matmul
+        gate, up = jnp.split(mm(xt, gate_up), 2, axis=-1)
+        return mm(jax.nn.silu(gate) * up, down).astype(jnp.float32)
 
     def _switched(self, x, w, ids):
         """Per-expert weights, few assignments: one assignment at a time, its expert picked

@@ -1,0 +1,169 @@
+"""Native XLA:CPU kernels: small-M f32 matmuls for decode steps, as XLA FFI custom calls.
+
+A decode step multiplies M = batch x query tokens rows (1..8) by each weight matrix
+once, so its matmuls are bound by the weight bytes. XLA:CPU streams M = 1 as a matvec
+but runs M = 2..8 as a GEMM that repacks the weights on every call, at a third of the
+matvec's bandwidth (M = 4 against a [512, 2048] weight: 8.6-10.9 GB/s against 25 GB/s
+at M = 1; BUILD_NOTES, sessions 19-20). `small_matmul.cc` streams each weight row once
+for all M rows: M = 4 at 16-25 GB/s on the same box, M = 1 as fast as XLA's matvec.
+
+Build: the kernel is C++ against the XLA FFI headers that jaxlib ships
+(`jax.ffi.include_dir()`), compiled on first use with the machine's C++ compiler
+(`$CXX`, else `c++`; `-O3 -march=native`) into `$XDG_CACHE_HOME/jlco/native` (or
+`~/.cache/jlco/native`), keyed by the source, the jaxlib version, the compiler and the
+CPU: a later process loads it at once. `load()` says whether the kernels are usable;
+the engine's `engine.cpu_matmul` picks them ("auto": when they build, else XLA's dot with
+a warning; "native": required; "xla": never). They are registered for the CPU platform
+only and traced under `lax.platform_dependent`, so a program lowered for cuda or tpu
+never contains them.
+
+Numerics: each output is one fixed-order sum over k, whatever M, the thread split or the
+batch (a request's row does not depend on the rows decoded beside it). `matmul_ref` is
+the plain-jnp reference the tests compare against.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import importlib.metadata
+import logging
+import os
+import pathlib
+import platform
+import shutil
+import subprocess
+import tempfile
+
+import jax
+import jax.numpy as jnp
+
+log = logging.getLogger(__name__)
+
+MAX_ROWS = 8          # M the kernels take (kMaxRows in small_matmul.cc)
+SOURCE = pathlib.Path(__file__).with_name("small_matmul.cc")
+TARGETS = {False: "jlco_matmul_nn", True: "jlco_matmul_nt"}   # by `transposed`
+_SYMBOLS = {False: "JlcoMatmulNn", True: "JlcoMatmulNt"}
+FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w")
+
+
+class NativeUnavailable(RuntimeError):
+    """The kernels could not be built or loaded here (the message says why)."""
+
+
+def cache_dir() -> pathlib.Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(pathlib.Path.home() / ".cache")
+    return pathlib.Path(base) / "jlco" / "native"
+
+
+def _compiler() -> str:
+    cxx = os.environ.get("CXX") or "c++"
+    path = shutil.which(cxx)
+    if path is None:
+        raise NativeUnavailable(f"no C++ compiler: {cxx!r} is not on PATH (set $CXX)")
+    return path
+
+
+def _cpu_signature() -> str:
+    """What -march=native depends on: the machine and, on Linux, the CPU's flags."""
+    sig = platform.machine()
+    try:
+        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return sig + line
+    except OSError:
+        pass
+    return sig + platform.processor()
+
+
+def _build() -> pathlib.Path:
+    cxx = _compiler()
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(b"\0".join([
+        source, importlib.metadata.version("jaxlib").encode(), version.encode(), " ".join(FLAGS).encode(),
+        _cpu_signature().encode()])).hexdigest()[:16]
+    out = cache_dir() / f"small_matmul-{key}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        lib = pathlib.Path(tmp) / out.name
+        cmd = [cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", str(lib)]
+        log.info("jlco.native: compiling %s (%s)", SOURCE.name, " ".join(cmd))
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise NativeUnavailable(f"compiling {SOURCE.name} failed ({' '.join(cmd)}): "
+                                    f"{done.stderr.strip()[-2000:]}")
+        os.replace(lib, out)      # atomic: concurrent processes each build, one wins
+    return out
+
+
+@functools.cache
+def _load() -> pathlib.Path:
+    path = _build()
+    lib = ctypes.cdll.LoadLibrary(str(path))
+    for transposed, name in TARGETS.items():
+        jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, _SYMBOLS[transposed])),
+                                    platform="cpu")
+    return path
+
+
+def load() -> pathlib.Path:
+    """Build (once per machine) and register the kernels → the library's path; raises
+    `NativeUnavailable` saying why when that cannot be done here."""
+    try:
+        return _load()
+    except NativeUnavailable:
+        raise
+    except OSError as e:
+        raise NativeUnavailable(f"loading the compiled kernels failed: {e}") from e
+
+
+@functools.cache
+def available() -> bool:
+    """Whether `load()` succeeds; the first failure is logged as a warning, once."""
+    try:
+        load()
+        return True
+    except NativeUnavailable as e:
+        log.warning("jlco.native: small-batch CPU matmul kernels unavailable, using XLA's "
+                    "dot (slower at batch 2-8): %s", e)
+        return False
+
+
+def supports(x: jax.Array, w: jax.Array) -> bool:
+    """Whether `matmul(x, w)` runs the kernel: f32 operands and at most MAX_ROWS rows."""
+    rows = 1
+    for d in x.shape[:-1]:
+        rows *= d
+    return (x.dtype == jnp.float32 and w.dtype == jnp.float32 and 1 <= rows <= MAX_ROWS)
+
+
+def matmul_ref(x: jax.Array, w: jax.Array, transposed: bool = False,
+               precision=jax.lax.Precision.HIGHEST) -> jax.Array:
+    """The plain-jnp reference: x [B, M, K] · w [B, K, N] (or [B, N, K] transposed)."""
+    spec = "bmk,bnk->bmn" if transposed else "bmk,bkn->bmn"
+    return jnp.einsum(spec, x, w, precision=precision)
+
+
+def batched(x: jax.Array, w: jax.Array, transposed: bool = False) -> jax.Array:
+    """x [B, M, K] f32 (M <= MAX_ROWS) · w [B, K, N] f32 ([B, N, K] when `transposed`)
+    → [B, M, N] f32 by the native kernel on CPU (`load()` must have succeeded), by
+    XLA's dot on other platforms."""
+    b, m, _ = x.shape
+    n = w.shape[1] if transposed else w.shape[2]
+    if not 1 <= m <= MAX_ROWS:
+        raise ValueError(f"jlco.native.batched: M={m}, allowed 1..{MAX_ROWS}")
+    call = jax.ffi.ffi_call(TARGETS[transposed], jax.ShapeDtypeStruct((b, m, n), jnp.float32),
+                            vmap_method="sequential")
+    return jax.lax.platform_dependent(
+        x, w, cpu=call, default=functools.partial(matmul_ref, transposed=transposed, precision=None))
+
+
+def linear(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x [..., K] · w [K, N] → [..., N] (the rows of x flattened to one M)."""
+    lead = x.shape[:-1]
+    y = batched(x.reshape(1, -1, x.shape[-1]), w[None])
+    return y.reshape(*lead, w.shape[-1])

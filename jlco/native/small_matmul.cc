@@ -1,0 +1,246 @@
+// Small-M f32 matmuls for XLA:CPU decode steps, as XLA FFI handlers.
+//
+//   jlco_matmul_nn: x [B, M, K] · w [B, K, N] → out [B, M, N]   (weights [in, out])
+//   jlco_matmul_nt: x [B, M, K] · w [B, N, K]ᵀ → out [B, M, N]  (weights [out, in])
+//
+// Why: a decode step's matmuls have M = batch × query tokens rows (1..8) against
+// weights read once per step, so they are bound by the weight bytes. XLA:CPU runs M = 1
+// as a streaming matvec but M = 2..8 as a GEMM that repacks the weights every call, at a
+// third of the matvec's bandwidth (BUILD_NOTES, sessions 19-20). These kernels stream
+// each weight row once for all M rows.
+//
+// Numerics: every output element is one sequential fused multiply-add chain over k
+// (nn) or a fixed 16/8-lane split of k reduced in a fixed order (nt), whatever M, the
+// thread split or the batch: a row's result does not depend on the rows beside it.
+//
+// Threads: the N columns of each batch entry are cut into chunks that the caller and
+// the tasks it schedules on XLA's intra-op pool claim from a shared counter; the caller
+// waits only for chunks other threads have claimed, so a busy pool never stalls it.
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <thread>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int64_t kMaxRows = 8;      // M handled here (jlco.native.MAX_ROWS)
+constexpr int64_t kColumnBlock = 2048;  // nn: output columns accumulated at once (L1/L2)
+constexpr int64_t kMinChunk = 256;   // columns per thread chunk, at least
+
+// out[m, n0:n1] = Σ_k x[m, k] · w[k, n]  (w row-major [K, N]).
+template <int M>
+void NnRows(const float* __restrict x, const float* __restrict w, float* __restrict out,
+            int64_t K, int64_t N, int64_t n0, int64_t n1) {
+  for (int64_t nb = n0; nb < n1; nb += kColumnBlock) {
+    const int64_t len = std::min(kColumnBlock, n1 - nb);
+    alignas(64) float acc[M][kColumnBlock];
+    for (int m = 0; m < M; ++m) std::fill(acc[m], acc[m] + len, 0.0f);
+    int64_t k = 0;
+    for (; k + 4 <= K; k += 4) {   // four weight rows per pass over the accumulators
+      const float* __restrict w0 = w + k * N + nb;
+      const float* __restrict w1 = w0 + N;
+      const float* __restrict w2 = w1 + N;
+      const float* __restrict w3 = w2 + N;
+      float a0[M], a1[M], a2[M], a3[M];
+      for (int m = 0; m < M; ++m) {
+        a0[m] = x[m * K + k];
+        a1[m] = x[m * K + k + 1];
+        a2[m] = x[m * K + k + 2];
+        a3[m] = x[m * K + k + 3];
+      }
+#pragma GCC ivdep
+      for (int64_t n = 0; n < len; ++n) {
+        const float v0 = w0[n], v1 = w1[n], v2 = w2[n], v3 = w3[n];
+#pragma GCC unroll 8
+        for (int m = 0; m < M; ++m) {
+          float s = acc[m][n];
+          s = std::fma(a0[m], v0, s);
+          s = std::fma(a1[m], v1, s);
+          s = std::fma(a2[m], v2, s);
+          s = std::fma(a3[m], v3, s);
+          acc[m][n] = s;
+        }
+      }
+    }
+    for (; k < K; ++k) {
+      const float* __restrict w0 = w + k * N + nb;
+      for (int m = 0; m < M; ++m) {
+        const float xm = x[m * K + k];
+        for (int64_t n = 0; n < len; ++n) acc[m][n] = std::fma(xm, w0[n], acc[m][n]);
+      }
+    }
+    for (int m = 0; m < M; ++m) std::memcpy(out + m * N + nb, acc[m], len * sizeof(float));
+  }
+}
+
+#if defined(__AVX512F__)
+constexpr int kLanes = 16;
+#else
+constexpr int kLanes = 8;
+#endif
+typedef float Vec __attribute__((vector_size(kLanes * sizeof(float))));
+
+inline Vec Load(const float* p) {
+  Vec v;
+  std::memcpy(&v, p, sizeof(Vec));
+  return v;
+}
+
+inline float Sum(Vec v) {   // a fixed pairwise order
+  float lanes[kLanes];
+  std::memcpy(lanes, &v, sizeof(Vec));
+  for (int width = kLanes / 2; width > 0; width /= 2)
+    for (int i = 0; i < width; ++i) lanes[i] += lanes[i + width];
+  return lanes[0];
+}
+
+// out[m, n0:n1] = Σ_k x[m, k] · w[n, k]  (w row-major [N, K]): J weight rows at a time,
+// each (m, n) a vector of kLanes partial sums over k, reduced at the end.
+template <int M>
+void NtRows(const float* __restrict x, const float* __restrict w, float* __restrict out,
+            int64_t K, int64_t N, int64_t n0, int64_t n1) {
+  constexpr int J = M <= 4 ? 4 : 2;
+  const int64_t kv = K / kLanes * kLanes;
+  int64_t n = n0;
+  for (; n < n1; n += J) {
+    const int jn = static_cast<int>(std::min<int64_t>(J, n1 - n));
+    Vec acc[M][J];
+    for (int m = 0; m < M; ++m)
+      for (int j = 0; j < J; ++j) acc[m][j] = Vec{};
+    for (int64_t k = 0; k < kv; k += kLanes) {
+      Vec xv[M];
+      for (int m = 0; m < M; ++m) xv[m] = Load(x + m * K + k);
+      for (int j = 0; j < J; ++j) {
+        if (j >= jn) break;
+        const Vec wv = Load(w + (n + j) * K + k);
+        for (int m = 0; m < M; ++m) acc[m][j] += xv[m] * wv;
+      }
+    }
+    for (int m = 0; m < M; ++m) {
+      for (int j = 0; j < jn; ++j) {
+        float s = Sum(acc[m][j]);
+        for (int64_t k = kv; k < K; ++k) s = std::fma(x[m * K + k], w[(n + j) * K + k], s);
+        out[m * N + n + j] = s;
+      }
+    }
+  }
+}
+
+using RowsFn = void (*)(const float*, const float*, float*, int64_t, int64_t, int64_t,
+                        int64_t);
+
+template <int M>
+struct NnK { static constexpr RowsFn fn = &NnRows<M>; };
+template <int M>
+struct NtK { static constexpr RowsFn fn = &NtRows<M>; };
+
+template <template <int> class K>
+RowsFn ForRows(int64_t m) {
+  switch (m) {
+    case 1: return K<1>::fn;
+    case 2: return K<2>::fn;
+    case 3: return K<3>::fn;
+    case 4: return K<4>::fn;
+    case 5: return K<5>::fn;
+    case 6: return K<6>::fn;
+    case 7: return K<7>::fn;
+    case 8: return K<8>::fn;
+    default: return nullptr;
+  }
+}
+
+inline void Pause() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#else
+  std::this_thread::yield();
+#endif
+}
+
+struct Progress {
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+};
+
+ffi::Error Run(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+               ffi::ResultBuffer<ffi::F32> out, bool transposed) {
+  const auto xd = x.dimensions();
+  const auto wd = w.dimensions();
+  if (xd.size() != 3 || wd.size() != 3 || xd[0] != wd[0])
+    return ffi::Error::InvalidArgument("jlco matmul: want x [B, M, K] and w [B, K, N] / [B, N, K]");
+  const int64_t B = xd[0], M = xd[1], K = xd[2];
+  const int64_t N = transposed ? wd[1] : wd[2];
+  if ((transposed ? wd[2] : wd[1]) != K)
+    return ffi::Error::InvalidArgument("jlco matmul: x and w disagree on K");
+  const RowsFn rows = transposed ? ForRows<NtK>(M) : ForRows<NnK>(M);
+  if (M < 1 || M > kMaxRows || rows == nullptr)
+    return ffi::Error::InvalidArgument("jlco matmul: M must be in 1..8");
+  if (B == 0 || N == 0) return ffi::Error::Success();
+  if (K == 0) {
+    std::fill(out->typed_data(), out->typed_data() + B * M * N, 0.0f);
+    return ffi::Error::Success();
+  }
+  const float* xp = x.typed_data();
+  const float* wp = w.typed_data();
+  float* op = out->typed_data();
+
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  const int64_t per_entry =
+      std::max<int64_t>(1, std::min<int64_t>(threads, N / kMinChunk));
+  const int64_t chunk = (N + per_entry - 1) / per_entry;
+  const int64_t per = (N + chunk - 1) / chunk;   // chunks per batch entry
+  const int64_t total = B * per;
+  auto progress = std::make_shared<Progress>();
+  auto work = [=]() {
+    for (;;) {
+      const int64_t c = progress->next.fetch_add(1, std::memory_order_relaxed);
+      if (c >= total) return;
+      const int64_t b = c / per, n0 = (c % per) * chunk;
+      rows(xp + b * M * K, wp + b * K * N, op + b * M * N, K, N, n0,
+           std::min(N, n0 + chunk));
+      progress->done.fetch_add(1, std::memory_order_release);
+    }
+  };
+  const int64_t helpers = std::min<int64_t>(threads, total) - 1;
+  for (int64_t t = 0; t < helpers; ++t) {
+    auto task = work;
+    pool.Schedule(std::move(task));
+  }
+  work();
+  while (progress->done.load(std::memory_order_acquire) < total) Pause();
+  return ffi::Error::Success();
+}
+
+ffi::Error Nn(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+              ffi::ResultBuffer<ffi::F32> out) {
+  return Run(pool, x, w, out, false);
+}
+
+ffi::Error Nt(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+              ffi::ResultBuffer<ffi::F32> out) {
+  return Run(pool, x, w, out, true);
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JlcoMatmulNn, Nn,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JlcoMatmulNt, Nt,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
