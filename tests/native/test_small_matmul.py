@@ -1,0 +1,176 @@
+"""`jlco.native`: the small-M f32 matmul kernels (XLA FFI custom calls on CPU) against
+their plain-jnp reference, the batch invariance they promise, their build errors, and
+the model and engine routing decode-sized products through them."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jlco import native
+from jlco.config import load_config
+from jlco.engine import runner
+from jlco.engine.core import Engine
+from jlco.model import kv_cache
+from jlco.model.decoder import DeepseekV32, fuse_projections, use_native_matmuls
+from jlco.model.moe import unstack_experts
+from tests.support.engine_workload import BASE, make_model
+
+pytestmark = pytest.mark.skipif(not native.available(),
+                                reason="no C++ compiler here to build jlco.native")
+
+SHAPES = [            # (B, M, K, N): tails of every unroll (k by 4 or 16 lanes, n by 4)
+    (1, 1, 512, 2048), (1, 4, 512, 2048), (8, 4, 128, 512), (8, 3, 512, 128),
+    (2, 8, 37, 300), (1, 5, 19, 7), (1, 2, 1, 1), (3, 6, 64, 1), (3, 2, 0, 5),
+]
+
+
+def _operands(b, m, k, n, transposed, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((b, m, k), np.float32)
+    w = rng.standard_normal((b, n, k) if transposed else (b, k, n), np.float32)
+    return jnp.asarray(x), jnp.asarray(w)
+
+
+def _run(x, w, transposed):
+    return jax.jit(native.batched, static_argnums=2)(x, w, transposed)
+
+
+@pytest.mark.parametrize("transposed", [False, True], ids=["nn", "nt"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_kernel_equals_the_reference(shape, transposed):
+    x, w = _operands(*shape, transposed)
+    out = _run(x, w, transposed)
+    ref = native.matmul_ref(x, w, transposed)
+    assert out.shape == ref.shape and out.dtype == jnp.float32
+    scale = float(jnp.max(jnp.abs(ref))) if ref.size else 1.0
+    np.testing.assert_allclose(out, ref, rtol=0, atol=2e-6 * max(scale, 1.0) * 8)
+
+
+@pytest.mark.parametrize("transposed", [False, True], ids=["nn", "nt"])
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it(transposed):
+    """Batch invariance: each row alone, and the batch entries alone, give the same bits
+    as the whole call (the thread split and M change nothing)."""
+    x, w = _operands(4, 7, 300, 1000, transposed, seed=1)
+    whole = np.asarray(_run(x, w, transposed))
+    for m in range(7):
+        np.testing.assert_array_equal(np.asarray(_run(x[:, m:m + 1], w, transposed))[:, 0],
+                                      whole[:, m])
+    np.testing.assert_array_equal(np.asarray(_run(x[2:3], w[2:3], transposed))[0], whole[2])
+
+
+def test_linear_flattens_leading_rows_and_vmap_works():
+    x, w = _operands(1, 6, 64, 96, False, seed=2)
+    x3 = x[0].reshape(2, 3, 64)
+    out = jax.jit(native.linear)(x3, w[0])
+    np.testing.assert_allclose(out, np.asarray(x3) @ np.asarray(w[0]), rtol=1e-5, atol=1e-5)
+    mapped = jax.jit(jax.vmap(native.linear, in_axes=(0, None)))(x3, w[0])
+    np.testing.assert_array_equal(np.asarray(mapped), np.asarray(out))
+
+
+def test_supports_only_f32_and_small_row_counts():
+    w = jnp.zeros((8, 4), jnp.float32)
+    assert native.supports(jnp.zeros((2, 4, 8)), w)
+    assert not native.supports(jnp.zeros((9, 8)), w)                  # more than MAX_ROWS
+    assert not native.supports(jnp.zeros((0, 8)), w)
+    assert not native.supports(jnp.zeros((2, 8), jnp.bfloat16), w.astype(jnp.bfloat16))
+    with pytest.raises(ValueError, match="M=9, allowed 1..8"):
+        native.batched(jnp.zeros((1, 9, 8)), jnp.zeros((1, 8, 4)))
+
+
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+def test_other_platforms_lower_to_xlas_dot(platform):
+    x, w = _operands(2, 4, 16, 32, False)
+    text = jax.jit(native.batched).trace(x, w).lower(lowering_platforms=(platform,)).as_text()
+    assert "jlco_matmul" not in text and "dot_general" in text
+    cpu = jax.jit(native.batched).trace(x, w).lower(lowering_platforms=("cpu",)).as_text()
+    assert "jlco_matmul_nn" in cpu
+
+
+def test_a_missing_compiler_is_named(monkeypatch, tmp_path):
+    monkeypatch.setenv("CXX", "no-such-c++-compiler")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    with pytest.raises(native.NativeUnavailable, match="no C..? compiler: 'no-such-c"):
+        native._build()
+
+
+def test_a_failed_compile_says_why(monkeypatch, tmp_path):
+    bad = tmp_path / "bad.cc"
+    bad.write_text("this is not C++\n")
+    monkeypatch.setattr(native, "SOURCE", bad)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    with pytest.raises(native.NativeUnavailable, match="compiling bad.cc failed"):
+        native._build()
+    assert not list(tmp_path.glob("jlco/native/*.so"))
+
+
+def test_cpu_matmul_choices(monkeypatch):
+    assert runner.native_matmul("xla") is False
+    assert runner.native_matmul("native") is True
+    assert runner.native_matmul("auto") is True
+
+    def unavailable():
+        raise native.NativeUnavailable("no C++ compiler: 'c++' is not on PATH (set $CXX)")
+
+    monkeypatch.setattr(native, "load", unavailable)
+    with pytest.raises(ValueError, match="engine.cpu_matmul='native': no C.. compiler"):
+        runner.native_matmul("native")
+    cfg = load_config("configs/tiny.py")
+    with pytest.raises(ValueError, match="engine.cpu_matmul"):
+        cfg.replace(engine__cpu_matmul="fast")
+
+
+def _decode_logits(model, cfg, tokens, cache):
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def step(state, cache, tokens):
+        m = nnx.merge(graphdef, state)
+        h, _ = m(tokens, cache, impl="xla")
+        return m.logits(h)
+
+    lowered = step.lower(state, cache, tokens)
+    return step(state, cache, tokens), lowered.as_text()
+
+
+@pytest.mark.parametrize("s", [1, 2], ids=["decode", "two_query_tokens"])
+def test_the_model_routes_decode_sized_products_through_the_kernels(s):
+    """The CPU engine's model (experts unstacked, projections fused) with and without
+    `use_native_matmuls`: the same logits within f32 summation order; the projections,
+    experts, W_UK and W_UV of a decode-sized step run the kernels, and a prefill-sized
+    step (more than MAX_ROWS rows) keeps XLA's dot for all but its 8-row expert tiles."""
+    cfg = load_config("configs/tiny.py")
+    model = DeepseekV32(cfg.model, rngs=nnx.Rngs(0))
+    unstack_experts(model)
+    fuse_projections(model)
+    fast = nnx.clone(model)
+    assert use_native_matmuls(fast) > 0 and use_native_matmuls(fast) == 0
+    b = 3
+    cache = kv_cache.init_cache(cfg, batch=b, max_len=64)
+    warm = jax.random.randint(jax.random.PRNGKey(1), (b, 20), 0, cfg.model.vocab_size)
+    graphdef, state = nnx.split(model)
+    _, cache = jax.jit(lambda st, c, t: nnx.merge(graphdef, st)(t, c, impl="xla"))(
+        state, cache, warm)
+    tokens = jax.random.randint(jax.random.PRNGKey(2), (b, s), 0, cfg.model.vocab_size)
+    ref, ref_text = _decode_logits(model, cfg, tokens, cache)
+    out, text = _decode_logits(fast, cfg, tokens, cache)
+    np.testing.assert_allclose(out, ref, rtol=2e-5, atol=2e-5)
+    assert "jlco_matmul" not in ref_text
+    assert "jlco_matmul_nn" in text and "jlco_matmul_nt" in text
+    big = _decode_logits(fast, cfg, jnp.zeros((b, 4), jnp.int32), cache)[1]   # 12 rows
+    calls = re.findall(r"custom_call @jlco_matmul_n[nt].*: \(tensor<\d+x(\d+)x", big)
+    assert all(int(m) <= native.MAX_ROWS for m in calls)    # expert tiles of 8 rows only
+    assert "dot_general" in big and "tensor<3x4x" in big
+
+
+def test_the_engine_uses_the_kernels_per_cpu_matmul():
+    cfg = BASE
+    for choice, expect in (("xla", False), ("auto", True)):
+        eng = Engine(cfg.replace(engine__cpu_matmul=choice), make_model())
+        flags = {n.native for _, n in nnx.iter_graph(nnx.merge(eng.runner.graphdef,
+                                                                eng.runner.state))
+                 if hasattr(type(n), "native")}
+        assert flags == {expect}
