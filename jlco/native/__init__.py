@@ -20,6 +20,8 @@ never contains them.
 Numerics: each output is one fixed-order sum over k, whatever M, the thread split or the
 batch (a request's row does not depend on the rows decoded beside it). `matmul_ref` is
 the plain-jnp reference the tests compare against.
+
+May import: the standard library and jax only (the model and the engine import it).
 """
 
 from __future__ import annotations

@@ -22,13 +22,15 @@ ALLOWED = {
     "util": set(),
     "config": set(),
     "pallas": set(),
+    "native": set(),
     "offload": {"util"},
     # the mesh sits below the model, whose MoE block runs expert-parallel on it
     "parallel": {"config"},
-    "model": {"config", "offload", "pallas", "parallel", "util"},
+    "model": {"config", "native", "offload", "pallas", "parallel", "util"},
     "checkpoint": {"config", "model", "util"},
     "planning": {"config", "model", "util"},
-    "engine": {"config", "model", "offload", "pallas", "parallel", "planning", "util"},
+    "engine": {"config", "model", "native", "offload", "pallas", "parallel", "planning",
+               "util"},
     # chat formats as text functions (encoders, output parsers): the standard library only
     "chat": set(),
     # structured outputs: grammars as the engine's token constraints
