@@ -5,6 +5,6 @@ scores (`indexer`), fp8 latent-row encoding (`fp8_rows`), the one kernel-choice 
 (`dispatch`: cuda -> Triton, tpu -> Mosaic, otherwise interpret mode, or plain XLA) and
 the tuned block sizes as data (`tuning`).
 
-May import: jax, numpy and `jlco.pallas.*` only: kernels know nothing of the model,
-the cache layout or the engine.
+May import: jax, numpy, `jlco.pallas.*` and `jlco.native` (the XLA:CPU top-k, exactly
+`lax.top_k`) only: kernels know nothing of the model, the cache layout or the engine.
 """

@@ -25,6 +25,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 
+from jlco import native
 from jlco.pallas import tuning
 
 KEY_FORMATS = ("bf16", "fp8")
@@ -302,7 +303,7 @@ def select_topk(scores, topk):
         scores = jnp.pad(scores, ((0, 0), (0, 0), (0, topk - length)),
                          constant_values=NEG_INF)
     with jax.named_scope("indexer_select"):
-        vals, idx = jax.lax.top_k(scores, topk)
+        vals, idx = native.top_k(scores, topk)
     valid = vals > NEG_INF
     return jnp.where(valid, idx, -1).astype(jnp.int32), jnp.where(valid, vals, NEG_INF)
 

@@ -13,6 +13,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from jlco import native
 from jlco.pallas.indexer import NEG_INF, compute_dtype, validate, select_topk
 
 REF_BLOCK_ELEMS = 1 << 26   # f32 per-head logits [s_q, H, keys] of one key block (s_q < 16)
@@ -154,7 +155,7 @@ def _merge_block(carry, scores, lo, topk):
     ties to the lower position."""
     vals, idx = carry
     pos = jnp.broadcast_to(lo + jnp.arange(scores.shape[-1], dtype=jnp.int32), scores.shape)
-    v, j = jax.lax.top_k(jnp.concatenate([vals, scores], axis=-1), topk)
+    v, j = native.top_k(jnp.concatenate([vals, scores], axis=-1), topk)
     return v, jnp.take_along_axis(jnp.concatenate([idx, pos], axis=-1), j, axis=-1)
 
 

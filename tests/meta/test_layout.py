@@ -21,8 +21,8 @@ ALLOWED = {
     "jlco": set(),
     "util": set(),
     "config": set(),
-    "pallas": set(),
     "native": set(),
+    "pallas": {"native"},
     "offload": {"util"},
     # the mesh sits below the model, whose MoE block runs expert-parallel on it
     "parallel": {"config"},

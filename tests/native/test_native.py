@@ -1,6 +1,7 @@
 """`jlco.native`: the small-M f32 matmul kernels (XLA FFI custom calls on CPU) against
 their plain-jnp reference, the batch invariance they promise, their build errors, and
-the model and engine routing decode-sized products through them."""
+the model and engine routing decode-sized products through them; the top-k against
+`lax.top_k`, bit for bit."""
 
 import re
 
@@ -174,3 +175,40 @@ def test_the_engine_uses_the_kernels_per_cpu_matmul():
                                                                 eng.runner.state))
                  if hasattr(type(n), "native")}
         assert flags == {expect}
+
+
+def _bits(a):
+    a = np.asarray(a)
+    return a.view(np.int32) if a.dtype == np.float32 else a
+
+
+@pytest.mark.parametrize("shape,k", [((4, 1, 2112), 256), ((3, 5, 300), 300), ((2, 7), 3),
+                                     ((1, 33000), 256), ((2, 64), 0)])
+def test_top_k_is_lax_top_k_bit_for_bit(shape, k):
+    """Values and positions equal lax.top_k's, ties, signed zeros, -inf and NaN included."""
+    rng = np.random.default_rng(3)
+    s = rng.standard_normal(shape).astype(np.float32)
+    cols = np.arange(0, shape[-1] - 1, 7)
+    s[..., cols] = s[..., cols + 1]                                    # ties
+    s[..., :3] = s[..., -3:] = 0.0
+    s[..., 1] = s[..., -2] = -0.0
+    s.reshape(-1, shape[-1])[:, 4] = -np.inf
+    s.reshape(-1, shape[-1])[0, 5] = np.nan
+    x = jnp.asarray(s)
+    out = jax.jit(native.top_k, static_argnums=1)(x, k)
+    ref = jax.jit(jax.lax.top_k, static_argnums=1)(x, k)
+    assert "jlco_top_k" in jax.jit(native.top_k, static_argnums=1).lower(x, k).as_text()
+    for a, b in zip(out, ref, strict=True):
+        assert a.shape == b.shape and a.dtype == b.dtype
+        np.testing.assert_array_equal(_bits(a), _bits(b))
+
+
+def test_top_k_under_vmap_and_on_other_platforms():
+    x = jnp.asarray(np.random.default_rng(4).standard_normal((3, 2, 50)), jnp.float32)
+    out = jax.jit(jax.vmap(lambda r: native.top_k(r, 10)))(x)
+    for a, b in zip(out, jax.lax.top_k(x, 10), strict=True):
+        np.testing.assert_array_equal(_bits(a), _bits(b))
+    for platform in ("cuda", "tpu"):
+        text = jax.jit(lambda s: native.top_k(s, 10)).trace(x).lower(
+            lowering_platforms=(platform,)).as_text()
+        assert "jlco_top_k" not in text

@@ -1,7 +1,8 @@
-// Small-M f32 matmuls for XLA:CPU decode steps, as XLA FFI handlers.
+// jlco's XLA:CPU kernels for decode steps, as XLA FFI handlers.
 //
 //   jlco_matmul_nn: x [B, M, K] · w [B, K, N] → out [B, M, N]   (weights [in, out])
 //   jlco_matmul_nt: x [B, M, K] · w [B, N, K]ᵀ → out [B, M, N]  (weights [out, in])
+//   jlco_top_k:     scores [..., L] → the k largest (values, positions) per row
 //
 // Why: a decode step's matmuls have M = batch × query tokens rows (1..8) against
 // weights read once per step, so they are bound by the weight bytes. XLA:CPU runs M = 1
@@ -13,17 +14,26 @@
 // (nn) or a fixed 16/8-lane split of k reduced in a fixed order (nt), whatever M, the
 // thread split or the batch: a row's result does not depend on the rows beside it.
 //
-// Threads: the N columns of each batch entry are cut into chunks that the caller and
-// the tasks it schedules on XLA's intra-op pool claim from a shared counter; the caller
-// waits only for chunks other threads have claimed, so a busy pool never stalls it.
+// Top-k: lax.top_k's order exactly (descending in the total order of floats, -0.0 below
+// 0.0, as XLA:CPU's TopK compares them; equal values by lower position), one pass over
+// the row against a heap of the k best as packed integers, where XLA:CPU partially sorts
+// an index array through value lookups.
+//
+// Threads: the work (column chunks of each batch entry, rows of the top-k) is cut into
+// pieces that the caller and the tasks it schedules on XLA's intra-op pool claim from a
+// shared counter; the caller waits only for pieces other threads have claimed, so a
+// busy pool never stalls it.
 
 #include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <functional>
+#include <limits>
 #include <memory>
 #include <thread>
+#include <vector>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -170,6 +180,28 @@ struct Progress {
   std::atomic<int64_t> done{0};
 };
 
+// piece(i) for i in 0..total-1, on the caller and up to threads - 1 pool tasks.
+template <typename Piece>
+void ParallelFor(ffi::ThreadPool& pool, int64_t total, Piece piece) {
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  auto progress = std::make_shared<Progress>();
+  auto work = [=]() {
+    for (;;) {
+      const int64_t c = progress->next.fetch_add(1, std::memory_order_relaxed);
+      if (c >= total) return;
+      piece(c);
+      progress->done.fetch_add(1, std::memory_order_release);
+    }
+  };
+  const int64_t helpers = std::min<int64_t>(threads, total) - 1;
+  for (int64_t t = 0; t < helpers; ++t) {
+    auto task = work;
+    pool.Schedule(std::move(task));
+  }
+  work();
+  while (progress->done.load(std::memory_order_acquire) < total) Pause();
+}
+
 ffi::Error Run(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
                ffi::ResultBuffer<ffi::F32> out, bool transposed) {
   const auto xd = x.dimensions();
@@ -191,31 +223,72 @@ ffi::Error Run(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F
   const float* xp = x.typed_data();
   const float* wp = w.typed_data();
   float* op = out->typed_data();
-
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   const int64_t per_entry =
       std::max<int64_t>(1, std::min<int64_t>(threads, N / kMinChunk));
   const int64_t chunk = (N + per_entry - 1) / per_entry;
   const int64_t per = (N + chunk - 1) / chunk;   // chunks per batch entry
-  const int64_t total = B * per;
-  auto progress = std::make_shared<Progress>();
-  auto work = [=]() {
-    for (;;) {
-      const int64_t c = progress->next.fetch_add(1, std::memory_order_relaxed);
-      if (c >= total) return;
-      const int64_t b = c / per, n0 = (c % per) * chunk;
-      rows(xp + b * M * K, wp + b * K * N, op + b * M * N, K, N, n0,
-           std::min(N, n0 + chunk));
-      progress->done.fetch_add(1, std::memory_order_release);
-    }
-  };
-  const int64_t helpers = std::min<int64_t>(threads, total) - 1;
-  for (int64_t t = 0; t < helpers; ++t) {
-    auto task = work;
-    pool.Schedule(std::move(task));
+  ParallelFor(pool, B * per, [=](int64_t c) {
+    const int64_t b = c / per, n0 = (c % per) * chunk;
+    rows(xp + b * M * K, wp + b * K * N, op + b * M * N, K, N, n0, std::min(N, n0 + chunk));
+  });
+  return ffi::Error::Success();
+}
+
+// XLA:CPU's TopK order: the float's bits as a signed integer, negatives flipped.
+inline int32_t OrderKey(float v) {
+  int32_t bits;
+  std::memcpy(&bits, &v, sizeof(bits));
+  return bits < 0 ? std::numeric_limits<int32_t>::max() - bits : bits;
+}
+
+// One word per element whose unsigned order is the top-k order: the float's order key
+// above, the position complemented below (equal values: the lower position ranks higher).
+inline uint64_t Rank(float v, int64_t i) {
+  const uint32_t key = static_cast<uint32_t>(OrderKey(v)) ^ 0x80000000u;
+  return (static_cast<uint64_t>(key) << 32) | (0xFFFFFFFFu - static_cast<uint32_t>(i));
+}
+
+// A min-heap of the k best ranks seen so far: an element that does not beat the heap's
+// worst costs one comparison (most of a long row), one that does log k.
+void TopKRow(const float* __restrict v, int64_t L, int64_t k, float* __restrict vals,
+             int32_t* __restrict idx, std::vector<uint64_t>& heap) {
+  heap.resize(k);
+  for (int64_t i = 0; i < k; ++i) heap[i] = Rank(v[i], i);
+  const auto worse = std::greater<uint64_t>();
+  std::make_heap(heap.begin(), heap.end(), worse);
+  for (int64_t i = k; i < L; ++i) {
+    const uint64_t r = Rank(v[i], i);
+    if (r <= heap.front()) continue;
+    std::pop_heap(heap.begin(), heap.end(), worse);
+    heap.back() = r;
+    std::push_heap(heap.begin(), heap.end(), worse);
   }
-  work();
-  while (progress->done.load(std::memory_order_acquire) < total) Pause();
+  std::sort(heap.begin(), heap.end(), std::greater<uint64_t>());
+  for (int64_t j = 0; j < k; ++j) {
+    const int64_t i = 0xFFFFFFFFu - static_cast<uint32_t>(heap[j]);
+    idx[j] = static_cast<int32_t>(i);
+    vals[j] = v[i];
+  }
+}
+
+ffi::Error TopK(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> scores,
+                ffi::ResultBuffer<ffi::F32> vals, ffi::ResultBuffer<ffi::S32> idx) {
+  const auto sd = scores.dimensions();
+  const auto od = vals->dimensions();
+  if (sd.size() < 1 || od.size() != sd.size())
+    return ffi::Error::InvalidArgument("jlco top_k: values must have the scores' rank");
+  const int64_t L = sd[sd.size() - 1], k = od[od.size() - 1];
+  if (k > L) return ffi::Error::InvalidArgument("jlco top_k: k is larger than the row");
+  const int64_t rows = L == 0 ? 0 : scores.element_count() / L;
+  if (rows == 0 || k == 0) return ffi::Error::Success();
+  const float* sp = scores.typed_data();
+  float* vp = vals->typed_data();
+  int32_t* ip = idx->typed_data();
+  ParallelFor(pool, rows, [=](int64_t r) {
+    thread_local std::vector<uint64_t> heap;
+    TopKRow(sp + r * L, L, k, vp + r * k, ip + r * k, heap);
+  });
   return ffi::Error::Success();
 }
 
@@ -244,3 +317,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JlcoMatmulNt, Nt,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JlcoTopK, TopK,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>());
