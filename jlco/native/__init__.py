@@ -7,7 +7,9 @@ but runs M = 2..8 as a GEMM that repacks the weights on every call, at a third o
 matvec's bandwidth (M = 4 against a [512, 2048] weight: 8.6-10.9 GB/s against 25 GB/s
 at M = 1; BUILD_NOTES, sessions 19-20). `kernels.cc` streams each weight row once
 for all M rows: M = 4 at 16-25 GB/s on the same box, M = 1 as fast as XLA's matvec.
-Its `top_k` returns exactly `lax.top_k`'s values and positions (XLA:CPU's order: floats
+`indexer_scores` forms the lightning indexer's scores with a query's heads side by side
+in vector lanes (one lane reduction per key instead of XLA's [keys, heads] logits
+written and read back). Its `top_k` returns exactly `lax.top_k`'s values and positions (XLA:CPU's order: floats
 in total order, ties to the lower position) by a selection and a sort of the k chosen,
 where XLA:CPU partially sorts the whole row (4 rows of 2,112 scores, k 256: 0.37 ms).
 
@@ -19,7 +21,9 @@ CPU: a later process loads it at once. `load()` says whether the kernels are usa
 the engine's `engine.cpu_matmul` picks them ("auto": when they build, else XLA's dot with
 a warning; "native": required; "xla": never). They are registered for the CPU platform
 only and traced under `lax.platform_dependent`, so a program lowered for cuda or tpu
-never contains them.
+never contains them. The indexer's scores and top-k use the kernels on a CPU backend
+wherever they are available (the top-k is `lax.top_k` bit for bit); `$JLCO_NATIVE=0`
+turns every kernel off (an A/B switch).
 
 Numerics: each output is one fixed-order sum over k, whatever M, the thread split or the
 batch (a request's row does not depend on the rows decoded beside it). `matmul_ref` is
@@ -51,7 +55,11 @@ MAX_ROWS = 8          # M the kernels take (kMaxRows in kernels.cc)
 SOURCE = pathlib.Path(__file__).with_name("kernels.cc")
 TARGETS = {False: "jlco_matmul_nn", True: "jlco_matmul_nt"}   # by `transposed`
 TOP_K = "jlco_top_k"
-_SYMBOLS = {TARGETS[False]: "JlcoMatmulNn", TARGETS[True]: "JlcoMatmulNt", TOP_K: "JlcoTopK"}
+INDEXER_SCORES = "jlco_indexer_scores"
+MAX_INDEXER_HEADS = 64   # 8 vectors of lanes on AVX2 (kernels.cc: ScoreFor)
+_SYMBOLS = {TARGETS[False]: "JlcoMatmulNn", TARGETS[True]: "JlcoMatmulNt", TOP_K: "JlcoTopK",
+            INDEXER_SCORES: "JlcoIndexerScores"}
+DISABLE_ENV = "JLCO_NATIVE"      # "0": every kernel off (XLA's ops throughout)
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w")
 
 
@@ -118,7 +126,10 @@ def _load() -> pathlib.Path:
 
 def load() -> pathlib.Path:
     """Build (once per machine) and register the kernels → the library's path; raises
-    `NativeUnavailable` saying why when that cannot be done here."""
+    `NativeUnavailable` saying why when that cannot be done here (or when
+    `$JLCO_NATIVE=0` turns the kernels off)."""
+    if os.environ.get(DISABLE_ENV, "1").strip() == "0":
+        raise NativeUnavailable(f"turned off by ${DISABLE_ENV}=0")
     try:
         return _load()
     except NativeUnavailable:
@@ -129,13 +140,14 @@ def load() -> pathlib.Path:
 
 @functools.cache
 def available() -> bool:
-    """Whether `load()` succeeds; the first failure is logged as a warning, once."""
+    """Whether `load()` succeeds; the first failure is logged as a warning, once.
+    `$JLCO_NATIVE=0` turns every kernel off (XLA's ops throughout: an A/B switch)."""
     try:
         load()
         return True
     except NativeUnavailable as e:
-        log.warning("jlco.native: CPU kernels unavailable, using XLA's dot (slower at "
-                    "batch 2-8) and top_k: %s", e)
+        log.warning("jlco.native: CPU kernels unavailable, using XLA's ops (matmuls at "
+                    "batch 2-8, the indexer's scores and top-k are slower): %s", e)
         return False
 
 
@@ -186,3 +198,31 @@ def top_k(scores: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     call = jax.ffi.ffi_call(TOP_K, out, vmap_method="broadcast_all")
     return tuple(jax.lax.platform_dependent(
         scores, cpu=lambda s: tuple(call(s)), default=lambda s: tuple(jax.lax.top_k(s, k))))
+
+
+def indexer_scores_supported(q: jax.Array, keys: jax.Array) -> bool:
+    """Whether `indexer_scores` runs the kernel: on a CPU backend where it is available, f32
+    queries, bf16 or f32 keys (fp8 keys with their scales stay with XLA) and at most
+    MAX_INDEXER_HEADS heads."""
+    return (jax.default_backend() == "cpu" and q.dtype == jnp.float32
+            and keys.dtype in (jnp.bfloat16, jnp.float32) and q.shape[2] <= MAX_INDEXER_HEADS
+            and available())
+
+
+def indexer_scores_ref(q: jax.Array, w: jax.Array, keys: jax.Array) -> jax.Array:
+    """Σ_h w_h · ReLU(q_h · key) [b, s, n] in plain jnp (f32)."""
+    hp = jax.lax.Precision.HIGHEST
+    logits = jnp.einsum("bshd,bnd->bshn", q, keys.astype(jnp.float32), precision=hp)
+    return jnp.einsum("bshn,bsh->bsn", jnp.maximum(logits, 0.0), w, precision=hp)
+
+
+def indexer_scores(q: jax.Array, w: jax.Array, keys: jax.Array) -> jax.Array:
+    """The lightning indexer's raw scores Σ_h w_h · ReLU(q_h · key): q [b, s, H, D] f32,
+    w [b, s, H] f32, keys [b, n, D] bf16 or f32 → [b, s, n] f32, each a fixed-order sum
+    (over d, then heads) that depends only on its query and key (`indexer_scores_supported`
+    must hold)."""
+    b, s = q.shape[:2]
+    call = jax.ffi.ffi_call(INDEXER_SCORES,
+                            jax.ShapeDtypeStruct((b, s, keys.shape[1]), jnp.float32),
+                            vmap_method="sequential")
+    return jax.lax.platform_dependent(q, w, keys, cpu=call, default=indexer_scores_ref)

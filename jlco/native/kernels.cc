@@ -3,6 +3,8 @@
 //   jlco_matmul_nn: x [B, M, K] · w [B, K, N] → out [B, M, N]   (weights [in, out])
 //   jlco_matmul_nt: x [B, M, K] · w [B, N, K]ᵀ → out [B, M, N]  (weights [out, in])
 //   jlco_top_k:     scores [..., L] → the k largest (values, positions) per row
+//   jlco_indexer_scores: q [b, s, H, D], w [b, s, H], keys [b, n, D] (bf16 or f32)
+//                   → Σ_h w_h · ReLU(q_h · key) [b, s, n], the lightning indexer's scores
 //
 // Why: a decode step's matmuls have M = batch × query tokens rows (1..8) against
 // weights read once per step, so they are bound by the weight bytes. XLA:CPU runs M = 1
@@ -18,6 +20,12 @@
 // 0.0, as XLA:CPU's TopK compares them; equal values by lower position), one pass over
 // the row against a heap of the k best as packed integers, where XLA:CPU partially sorts
 // an index array through value lookups.
+//
+// Indexer scores: the H heads of a query side by side in vector lanes (queries held
+// transposed, [D][H]), each key's D values broadcast against them, so one key's H dot
+// products take D vector FMAs and one lane reduction (ReLU and head weights applied in
+// the lanes); the keys are streamed once for every query of the step. Each score is a
+// fixed-order sum over d, then over heads: it depends on nothing but its query and key.
 //
 // Threads: the work (column chunks of each batch entry, rows of the top-k) is cut into
 // pieces that the caller and the tasks it schedules on XLA's intra-op pool claim from a
@@ -292,6 +300,115 @@ ffi::Error TopK(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> scores,
   return ffi::Error::Success();
 }
 
+inline float Bf16ToF32(uint16_t v) {
+  const uint32_t bits = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+// Scores of keys [n0, n1) of one request for its S queries: U keys per pass, HV vectors
+// of heads. qt: [S][D][HV] vectors (heads past H zero), wv: [S][HV] (zero past H).
+template <int HV, int U>
+void ScoreKeys(const Vec* __restrict qt, const Vec* __restrict wv, const void* keys,
+               bool bf16, int64_t S, int64_t D, int64_t n, int64_t n0, int64_t n1,
+               float* __restrict out, std::vector<float>& kf) {
+  kf.resize(U * D);
+  for (int64_t t = n0; t < n1; t += U) {
+    const int u_n = static_cast<int>(std::min<int64_t>(U, n1 - t));
+    for (int u = 0; u < u_n; ++u) {
+      if (bf16) {
+        const uint16_t* row = static_cast<const uint16_t*>(keys) + (t + u) * D;
+        for (int64_t d = 0; d < D; ++d) kf[u * D + d] = Bf16ToF32(row[d]);
+      } else {
+        std::memcpy(&kf[u * D], static_cast<const float*>(keys) + (t + u) * D,
+                    D * sizeof(float));
+      }
+    }
+    for (int u = u_n; u < U; ++u) std::fill(&kf[u * D], &kf[u * D] + D, 0.0f);
+    for (int64_t q = 0; q < S; ++q) {
+      const Vec* __restrict qd = qt + q * D * HV;
+      Vec acc[U][HV];
+      for (int u = 0; u < U; ++u)
+        for (int j = 0; j < HV; ++j) acc[u][j] = Vec{};
+      for (int64_t d = 0; d < D; ++d) {
+        for (int j = 0; j < HV; ++j) {
+          const Vec qv = qd[d * HV + j];
+          for (int u = 0; u < U; ++u) acc[u][j] += kf[u * D + d] * qv;
+        }
+      }
+      for (int u = 0; u < u_n; ++u) {
+        Vec tot = Vec{};
+        for (int j = 0; j < HV; ++j) {
+          const Vec a = acc[u][j];
+          tot += (a > 0.0f ? a : Vec{}) * wv[q * HV + j];
+        }
+        out[q * n + t + u] = Sum(tot);
+      }
+    }
+  }
+}
+
+using ScoreFn = void (*)(const Vec*, const Vec*, const void*, bool, int64_t, int64_t,
+                         int64_t, int64_t, int64_t, float*, std::vector<float>&);
+
+ScoreFn ScoreFor(int64_t hv) {
+  switch (hv) {
+    case 1: return &ScoreKeys<1, 4>;
+    case 2: return &ScoreKeys<2, 4>;
+    case 3: case 4: return &ScoreKeys<4, 2>;
+    case 5: case 6: case 7: case 8: return &ScoreKeys<8, 1>;
+    default: return nullptr;
+  }
+}
+
+constexpr int64_t kKeyChunk = 512;   // keys per piece of work
+
+ffi::Error IndexerScores(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
+                         ffi::Buffer<ffi::F32> w, ffi::AnyBuffer keys,
+                         ffi::ResultBuffer<ffi::F32> out) {
+  const auto qd = q.dimensions();
+  const auto wd = w.dimensions();
+  const auto kd = keys.dimensions();
+  if (qd.size() != 4 || wd.size() != 3 || kd.size() != 3)
+    return ffi::Error::InvalidArgument("jlco indexer_scores: want q [b,s,H,D], w [b,s,H], keys [b,n,D]");
+  const int64_t B = qd[0], S = qd[1], H = qd[2], D = qd[3], N = kd[1];
+  if (wd[0] != B || wd[1] != S || wd[2] != H || kd[0] != B || kd[2] != D)
+    return ffi::Error::InvalidArgument("jlco indexer_scores: shapes disagree");
+  const bool bf16 = keys.element_type() == ffi::DataType::BF16;
+  if (!bf16 && keys.element_type() != ffi::DataType::F32)
+    return ffi::Error::InvalidArgument("jlco indexer_scores: keys must be bf16 or f32");
+  const int64_t hv_need = (H + kLanes - 1) / kLanes;
+  const ScoreFn fn = ScoreFor(hv_need);
+  if (fn == nullptr) return ffi::Error::InvalidArgument("jlco indexer_scores: too many heads");
+  const int64_t HV = hv_need <= 2 ? hv_need : (hv_need <= 4 ? 4 : 8);
+  if (B == 0 || S == 0 || N == 0) return ffi::Error::Success();
+  // Queries transposed to [b][s][D][HV lanes] and weights to [b][s][HV], zero-padded.
+  auto qt = std::make_shared<std::vector<Vec>>(B * S * D * HV, Vec{});
+  auto wv = std::make_shared<std::vector<Vec>>(B * S * HV, Vec{});
+  const float* qp = q.typed_data();
+  const float* wp = w.typed_data();
+  for (int64_t bs = 0; bs < B * S; ++bs) {
+    float* qlanes = reinterpret_cast<float*>(qt->data() + bs * D * HV);
+    float* wlanes = reinterpret_cast<float*>(wv->data() + bs * HV);
+    for (int64_t h = 0; h < H; ++h) {
+      wlanes[h] = wp[bs * H + h];
+      for (int64_t d = 0; d < D; ++d) qlanes[d * HV * kLanes + h] = qp[(bs * H + h) * D + d];
+    }
+  }
+  const int64_t width = bf16 ? 2 : 4;
+  const char* kp = static_cast<const char*>(keys.untyped_data());
+  float* op = out->typed_data();
+  const int64_t per = (N + kKeyChunk - 1) / kKeyChunk;
+  ParallelFor(pool, B * per, [=](int64_t c) {
+    thread_local std::vector<float> kf;
+    const int64_t b = c / per, n0 = (c % per) * kKeyChunk;
+    fn(qt->data() + b * S * D * HV, wv->data() + b * S * HV, kp + b * N * D * width, bf16, S,
+       D, N, n0, std::min(N, n0 + kKeyChunk), op + b * S * N, kf);
+  });
+  return ffi::Error::Success();
+}
+
 ffi::Error Nn(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
               ffi::ResultBuffer<ffi::F32> out) {
   return Run(pool, x, w, out, false);
@@ -324,3 +441,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JlcoTopK, TopK,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JlcoIndexerScores, IndexerScores,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());

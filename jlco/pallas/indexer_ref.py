@@ -103,6 +103,15 @@ def _raw_scores(qc, wf, kb, sb, s_q):
                       precision=jax.lax.Precision.HIGHEST)
 
 
+def _scores(qc, wf, kb, sb, s_q, cdt):
+    """`_raw_scores` of keys kb in their storage dtype: a decode step's bf16 / f32 keys on
+    CPU go to the native kernel (`jlco.native.indexer_scores`: the heads in vector lanes,
+    3-5x XLA's two einsums), everything else to `_raw_scores`."""
+    if sb is None and s_q < REF_CHUNK_MIN_S and native.indexer_scores_supported(qc, kb):
+        return native.indexer_scores(qc, wf, kb)
+    return _raw_scores(qc, wf, kb.astype(cdt), sb, s_q)
+
+
 def _fresh_scores(ops, fresh):
     """(scores [b, s_q, s] of the fresh keys, their positions [b, s]) or None."""
     if fresh is None:
@@ -110,7 +119,7 @@ def _fresh_scores(ops, fresh):
     qc, wf, _, cdt = ops
     keys, scale, positions = fresh
     sb = None if scale is None else scale.astype(jnp.float32)
-    return (_raw_scores(qc, wf, _float_keys(keys).astype(cdt), sb, qc.shape[1]),
+    return (_scores(qc, wf, _float_keys(keys), sb, qc.shape[1], cdt),
             positions.astype(jnp.int32))
 
 
@@ -118,11 +127,11 @@ def _ref_block_scores(ops, k_scale, lengths, lo, width, s_q, fresh=None):
     """Masked scores [b, s_q, width] f32 of keys lo .. lo+width (lo may be traced);
     `fresh` (`_fresh_scores`): those positions take the fresh keys' scores."""
     qc, wf, k, cdt = ops
-    kb = jax.lax.dynamic_slice_in_dim(k, lo, width, axis=1).astype(cdt)
+    kb = jax.lax.dynamic_slice_in_dim(k, lo, width, axis=1)
     sb = None
     if k_scale is not None:
         sb = jax.lax.dynamic_slice_in_dim(k_scale, lo, width, axis=1).astype(jnp.float32)
-    scores = _raw_scores(qc, wf, kb, sb, s_q)
+    scores = _scores(qc, wf, kb, sb, s_q, cdt)
     cols = lo + jnp.arange(width)
     if fresh is not None:
         f_scores, f_pos = fresh

@@ -1,7 +1,7 @@
 """`jlco.native`: the small-M f32 matmul kernels (XLA FFI custom calls on CPU) against
 their plain-jnp reference, the batch invariance they promise, their build errors, and
 the model and engine routing decode-sized products through them; the top-k against
-`lax.top_k`, bit for bit."""
+`lax.top_k`, bit for bit; the indexer's scores against their reference."""
 
 import re
 
@@ -212,3 +212,45 @@ def test_top_k_under_vmap_and_on_other_platforms():
         text = jax.jit(lambda s: native.top_k(s, 10)).trace(x).lower(
             lowering_platforms=(platform,)).as_text()
         assert "jlco_top_k" not in text
+
+
+@pytest.mark.parametrize("b,s,heads,d,n,key_dtype", [
+    (4, 1, 16, 128, 2112, jnp.bfloat16), (2, 3, 64, 128, 700, jnp.float32),
+    (1, 2, 5, 7, 9, jnp.bfloat16), (2, 1, 33, 16, 5, jnp.float32)])
+def test_indexer_scores_equal_the_reference(b, s, heads, d, n, key_dtype):
+    rng = np.random.default_rng(5)
+    q = jnp.asarray(rng.standard_normal((b, s, heads, d)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((b, s, heads)), jnp.float32)
+    keys = jnp.asarray(rng.standard_normal((b, n, d)), key_dtype)
+    assert native.indexer_scores_supported(q, keys)
+    out = jax.jit(native.indexer_scores)(q, w, keys)
+    ref = native.indexer_scores_ref(q, w, keys)
+    assert out.shape == (b, s, n) and out.dtype == jnp.float32
+    np.testing.assert_allclose(out, ref, rtol=0, atol=2e-6 * float(jnp.max(jnp.abs(ref))))
+    # Each score depends on its query and key only: a slice of the keys, one request
+    # or one query scores to the same bits.
+    whole = np.asarray(out)
+    np.testing.assert_array_equal(
+        np.asarray(jax.jit(native.indexer_scores)(q, w, keys[:, 1:n - 1 or None])),
+        whole[:, :, 1:n - 1 or None])
+    np.testing.assert_array_equal(
+        np.asarray(jax.jit(native.indexer_scores)(q[-1:, -1:], w[-1:, -1:], keys[-1:])),
+        whole[-1:, -1:])
+
+
+def test_indexer_scores_scope():
+    q = jnp.zeros((1, 1, 16, 8), jnp.float32)
+    assert not native.indexer_scores_supported(q, jnp.zeros((1, 4, 8), jnp.uint8))   # fp8
+    assert not native.indexer_scores_supported(q.astype(jnp.bfloat16), jnp.zeros((1, 4, 8)))
+    assert not native.indexer_scores_supported(jnp.zeros((1, 1, 65, 8)), jnp.zeros((1, 4, 8)))
+    w, keys = jnp.ones((1, 1, 16)), jnp.ones((1, 4, 8), jnp.bfloat16)
+    for platform in ("cuda", "tpu"):
+        text = jax.jit(native.indexer_scores).trace(q, w, keys).lower(
+            lowering_platforms=(platform,)).as_text()
+        assert "jlco_indexer_scores" not in text
+
+
+def test_jlco_native_0_turns_the_kernels_off(monkeypatch):
+    monkeypatch.setenv(native.DISABLE_ENV, "0")
+    with pytest.raises(native.NativeUnavailable, match=r"turned off by \$JLCO_NATIVE=0"):
+        native.load()
