@@ -354,10 +354,10 @@ using ScoreFn = void (*)(const Vec*, const Vec*, const void*, bool, int64_t, int
 
 ScoreFn ScoreFor(int64_t hv) {
   switch (hv) {
-    case 1: return &ScoreKeys<1, 4>;
-    case 2: return &ScoreKeys<2, 4>;
-    case 3: case 4: return &ScoreKeys<4, 2>;
-    case 5: case 6: case 7: case 8: return &ScoreKeys<8, 1>;
+    case 1: return &ScoreKeys<1, 8>;
+    case 2: return &ScoreKeys<2, 6>;
+    case 3: case 4: return &ScoreKeys<4, 3>;
+    case 5: case 6: case 7: case 8: return &ScoreKeys<8, 2>;
     default: return nullptr;
   }
 }
