@@ -27,7 +27,8 @@
 // the lanes); the keys are streamed once for every query of the step. Each score is a
 // fixed-order sum over d, then over heads: it depends on nothing but its query and key.
 //
-// Threads: the work (column chunks of each batch entry, rows of the top-k) is cut into
+// Threads: the work (column chunks of each batch entry, rows of the top-k, key chunks of
+// the indexer) is cut into
 // pieces that the caller and the tasks it schedules on XLA's intra-op pool claim from a
 // shared counter; the caller waits only for pieces other threads have claimed, so a
 // busy pool never stalls it.
