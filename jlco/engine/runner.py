@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jlco import native
 from jlco.config import Config
 from jlco.engine import host_driven, penalize, prefill as engine_prefill, prefix, steps, transfer
 from jlco.engine.allocation import allocate_cache
@@ -35,7 +36,6 @@ from jlco.engine.inputs import DecodeOutput, alternatives
 from jlco.engine.overlap import Follower, live
 from jlco.engine.prefill import WARMUP_QUERIES, PrefillJob
 from jlco.engine.scheduler import Request
-from jlco import native
 from jlco.model.decoder import fuse_projections, use_native_matmuls
 from jlco.model.kv_cache import DecodeCache, cache_layers, scan_bucket
 from jlco.model.moe import unstack_experts
