@@ -40,6 +40,7 @@ import functools
 import hashlib
 import importlib.metadata
 import logging
+import math
 import os
 import pathlib
 import platform
@@ -153,11 +154,9 @@ def available() -> bool:
 
 
 def supports(x: jax.Array, w: jax.Array) -> bool:
-    """Whether `matmul(x, w)` runs the kernel: f32 operands and at most MAX_ROWS rows."""
-    rows = 1
-    for d in x.shape[:-1]:
-        rows *= d
-    return (x.dtype == jnp.float32 and w.dtype == jnp.float32 and 1 <= rows <= MAX_ROWS)
+    """Whether `linear(x, w)` runs the kernel: f32 operands and at most MAX_ROWS rows."""
+    rows = math.prod(x.shape[:-1])
+    return x.dtype == jnp.float32 and w.dtype == jnp.float32 and 1 <= rows <= MAX_ROWS
 
 
 def matmul_ref(x: jax.Array, w: jax.Array, transposed: bool = False,

@@ -106,7 +106,7 @@ def _raw_scores(qc, wf, kb, sb, s_q):
 def _scores(qc, wf, kb, sb, s_q, cdt):
     """`_raw_scores` of keys kb in their storage dtype: a decode step's bf16 / f32 keys on
     CPU go to the native kernel (`jlco.native.indexer_scores`: the heads in vector lanes,
-    3-5x XLA's two einsums), everything else to `_raw_scores`."""
+    2-3x XLA's two einsums), everything else to `_raw_scores`."""
     if sb is None and s_q < REF_CHUNK_MIN_S and native.indexer_scores_supported(qc, kb):
         return native.indexer_scores(qc, wf, kb)
     return _raw_scores(qc, wf, kb.astype(cdt), sb, s_q)
