@@ -680,6 +680,25 @@ class Config:
         """Hot-buffer rows per request per layer, with 0 resolved to the minimum."""
         return self.cache.hot_buffer_rows or self.min_hot_buffer_rows
 
+    def resolved_fetch_path(self) -> str:
+        """The miss-fetch path an offloaded engine runs: "in_jit" or "host_driven" (the
+        decode step's fetch strategy, `jlco.engine.decode`).
+
+        "auto" is in_jit except for storage "file", whose memmap only the host-driven path
+        reads. Measured on the 2-core CPU box (configs/tiny.py, f32 rows, warm median step,
+        `python tools/bench_fetch_path.py --batch=2` / `--batch=4`): in_jit 2.5 / 3.6 ms,
+        host_driven 11.0 / 14.9 ms (fetch wait 4.2 / 5.3 ms): per layer it pays ~10
+        dispatches and 2 syncs that the single jitted step does not. Re-measure on
+        accelerators, where the in-jit gather's padding and host compute cost more."""
+        path, storage = self.cache.fetch_path, self.cache.storage
+        if path == "auto":
+            return "host_driven" if storage == "file" else "in_jit"
+        if path == "in_jit" and storage == "file":
+            raise NotImplementedError(
+                "cache.fetch_path='in_jit' with cache.storage='file': a jitted step cannot "
+                "address an np.memmap pool; use cache.fetch_path='host_driven' (or 'auto')")
+        return path
+
     def replace(self, **sections: Any) -> "Config":
         """Copy with whole sections or `section__field=value` overrides replaced. A
         section's overrides apply together, so fields that are only valid jointly

@@ -58,6 +58,7 @@ from typing import Any
 from absl import app, flags, logging
 
 from jlco.parallel import distributed
+from jlco.sampling.params import SamplingParams
 from jlco.util import cli, compile_cache
 from jlco.util.buckets import pow2_bucket
 
@@ -259,7 +260,8 @@ def _timing(step_s: list[float], prefill_s: float, loop_s: float, decode_tokens:
 
 def _decode(engine, prompts: list[list[int]]):
     """Submit every prompt, admit + prefill them (timed), then decode to the end (timed)."""
-    reqs = [engine.submit(p, FLAGS.max_new_tokens, FLAGS.temperature, FLAGS.seed + i)
+    reqs = [engine.submit(p, FLAGS.max_new_tokens,
+                          SamplingParams(temperature=FLAGS.temperature, seed=FLAGS.seed + i))
             for i, p in enumerate(prompts)]
     t0 = time.perf_counter()
     engine.admit()
@@ -375,6 +377,7 @@ def main(argv):
                 from jlco.engine.core import Engine
                 with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
                     engine = Engine(cfg, model)
+                    _say(engine.step_kind.describe())
                     reqs, timing = _decode(engine, prompts)
             results = [{"tokens": list(r.tokens), "logprobs": [float(x) for x in r.logprobs]}
                        for r in reqs]

@@ -186,6 +186,7 @@ def build_engine(cfg, choice, state) -> None:
     state.loading = "compiling (warm-up)"
     with _mesh_context(mesh):
         engine = Engine(cfg, model)
+        _say(engine.step_kind.describe())
         _warm_up(engine, cfg, mcfg)
     state.codec, state.engine = codec, engine
     loop = EngineLoop(engine, max_waiting=cfg.serve.max_queue,

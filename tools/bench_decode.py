@@ -242,14 +242,14 @@ def _cost_number(ca: dict, key: str) -> float | None:
     return v if v >= 0 else None
 
 
-def step_cost(jitted, args) -> dict:
-    """XLA's cost analysis of the compiled decode step for these arguments (the engine
-    just compiled it for them, so lower().compile() is a cache hit). cost_analysis() may
-    be a dict, a list of dicts (one per program) or None, and may lack keys."""
-    if not hasattr(jitted, "lower"):
+def step_cost(lowered) -> dict:
+    """XLA's cost analysis of the compiled decode step (`DecodeStepper.lower`: the
+    arguments the engine passes, so compile() is a cache hit). cost_analysis() may be a
+    dict, a list of dicts (one per program) or None, and may lack keys."""
+    if lowered is None:
         return dict(xla_bytes=None, xla_flops=None,
                     xla_note="the step is not one jitted function (host-driven fetch path)")
-    ca = jitted.lower(*args).compile().cost_analysis()
+    ca = lowered.compile().cost_analysis()
     if isinstance(ca, (list, tuple)):
         ca = ca[0] if ca else None
     ca = dict(ca) if ca else {}
@@ -258,27 +258,17 @@ def step_cost(jitted, args) -> dict:
 
 
 def step_with_cost(eng: Engine) -> dict:
-    """Run one (untimed) engine step and return XLA's cost of its jitted decode step:
-    the runner's `decode_fn(graphdef, state, cache, StepInputs)` is lowered with exactly
-    the arguments the engine passes."""
-    runner = eng.runner
-    orig = runner.decode_fn
-    box: dict = {}
-
-    def spy(*args):
-        try:
-            box.update(step_cost(orig, args))
-        except Exception as err:  # noqa: BLE001 - the cost is a report, not the benchmark
-            box.update(xla_bytes=None, xla_flops=None,
-                       xla_note=f"cost analysis failed: {type(err).__name__}: {err}"[:300])
-        return orig(*args)
-
-    runner.decode_fn = spy
+    """Run one (untimed) engine step and return XLA's cost of its jitted decode step,
+    lowered for the requests it decodes."""
+    running = [r for r in eng.scheduler.slots if r is not None and r.tokens]
     try:
-        eng.step()
-    finally:
-        runner.decode_fn = orig
-    return box or dict(xla_bytes=None, xla_flops=None, xla_note="no decode step ran")
+        box = step_cost(eng.runner.stepper.lower(eng.runner.cache, running)) if running \
+            else dict(xla_bytes=None, xla_flops=None, xla_note="no decode step ran")
+    except Exception as err:  # noqa: BLE001 - the cost is a report, not the benchmark
+        box = dict(xla_bytes=None, xla_flops=None,
+                   xla_note=f"cost analysis failed: {type(err).__name__}: {err}"[:300])
+    eng.step()
+    return box
 
 
 # ---- runs -------------------------------------------------------------------------------

@@ -176,21 +176,25 @@ class CompileClock:
 
 
 class PieceTimer:
-    """Wraps the runner's `prefill_piece` so each piece is waited for (no compile of the
-    next piece overlaps this one's execution, so subtracting the compile time logged is
-    exact) and timed: (wall seconds, compile seconds) per piece."""
+    """Watches the runner's prefill pieces (`ModelRunner.piece_observers`): each piece is
+    waited for (no compile of the next piece overlaps this one's execution, so
+    subtracting the compile time logged is exact) and timed from its start: (wall
+    seconds, compile seconds) per piece."""
 
     def __init__(self, runner, clock: CompileClock):
-        self.inner, self.clock, self.times = runner.prefill_piece, clock, []
-        runner.prefill_piece = self
+        self.clock, self.times = clock, []
+        self._c0 = clock.total
+        runner.piece_observers.append(self)
 
-    def __call__(self, job) -> int:
+    def reset(self) -> None:
+        """Forget the pieces timed so far; compile time counts from now."""
+        self.times, self._c0 = [], self.clock.total
+
+    def __call__(self, job, t0: float) -> None:
         import jax
-        c0, t0 = self.clock.total, time.perf_counter()
-        cost = self.inner(job)
         jax.block_until_ready(job.hidden)
-        self.times.append((time.perf_counter() - t0, self.clock.total - c0))
-        return cost
+        self.times.append((time.perf_counter() - t0, self.clock.total - self._c0))
+        self._c0 = self.clock.total
 
 
 def time_prefill(engine, prompt: list[int], clock: CompileClock, pieces: PieceTimer) -> dict:
@@ -198,7 +202,7 @@ def time_prefill(engine, prompt: list[int], clock: CompileClock, pieces: PieceTi
     seconds from submit to the first token, the compile seconds logged meanwhile, and
     each piece's seconds less its compile."""
     c0, t0 = clock.total, time.perf_counter()
-    pieces.times = []
+    pieces.reset()
     req = engine.submit(prompt, 1)
     engine.admit()
     dt = time.perf_counter() - t0

@@ -74,15 +74,16 @@ def _way(kind: str, i: int, b: int) -> str:
 
 
 def _run(eng, prompts, kind, grammars) -> dict:
-    from jlco.engine.penalties import Penalties
+    from jlco.sampling.params import SamplingParams
+    from jlco.sampling.penalties import Penalties
     from jlco.structured.grammar import GrammarSpec
     rules = Penalties(presence=0.5, frequency=0.3, repetition=1.2, logit_bias=((5, 1.0),))
     for i, p in enumerate(prompts):
         way = _way(kind, i, len(prompts))
-        eng.submit(p, FLAGS.new_tokens, temperature=1.0, seed=i,
-                   penalties=rules if way == "penalties" else None,
-                   constraint=grammars.constraint(GrammarSpec("json_object"))
-                   if way == "constrained" else None)
+        eng.submit(p, FLAGS.new_tokens, SamplingParams(
+            temperature=1.0, seed=i, penalties=rules if way == "penalties" else None,
+            constraint=grammars.constraint(GrammarSpec("json_object"))
+            if way == "constrained" else None))
     eng.step_seconds.clear()
     eng.host_seconds.clear()
     eng.run()

@@ -15,7 +15,6 @@ prompt of the same length. Op time is the XLA:CPU thunk time summed per family
 from __future__ import annotations
 
 import collections
-import dataclasses
 import glob
 import gzip
 import json
@@ -33,9 +32,7 @@ from flax import nnx
 from jlco.config import load_config
 from jlco.engine import synthetic
 from jlco.engine.core import Engine
-from jlco.engine.inputs import StepInputs
 from jlco.model.decoder import DeepseekV32
-from jlco.model.kv_cache import scan_bucket
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 FLAGS = flags.FLAGS
@@ -105,12 +102,8 @@ def profile_decode(model, context: int) -> dict:
     for _ in range(FLAGS.steps):
         eng.step()
     run = eng.runner
-    b = run.batch
-    # The step's own arguments, with the scan bucket the engine chose (`ModelRunner.dispatch`).
-    scan = scan_bucket(int(run.slot_len.max()) + 1, run.max_len)
-    args = (run.graphdef, run.state, dataclasses.replace(run.cache, scan_len=scan),
-            dataclasses.replace(StepInputs.from_requests([], b, eng.cfg.model.vocab_size),
-                                active=np.ones((b,), bool)))
+    # The step lowered as the engine runs it (every slot active, its scan bucket).
+    lowered = run.stepper.lower(run.cache, [])
     trace_dir = os.path.join(FLAGS.out, f"trace_decode_{context}")
     shutil.rmtree(trace_dir, ignore_errors=True)
     eng.drain()   # async scheduling: the trace holds exactly the two steps queued in it
@@ -119,8 +112,8 @@ def profile_decode(model, context: int) -> dict:
         eng.step()
         eng.drain()
     fams = {}
-    if run.host is None and run.spec is None:
-        hlo = run.decode_fn.lower(*args).compile().as_text()
+    if lowered is not None and run.spec is None:
+        hlo = lowered.compile().as_text()
         # Beside the trace: the thunk names in it (fusions, custom calls) are this text's.
         pathlib.Path(trace_dir, "decode_step.hlo.txt").write_text(hlo)
         fams = op_families(trace_dir, hlo, 2)

@@ -14,8 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jlco.config import Config
-from jlco.engine import host_driven
-from jlco.engine.penalize import SeenTokens
+from jlco.sampling.penalize import SeenTokens
 from jlco.model import kv_cache
 from jlco.model.kv_cache import DecodeCache, cache_layers, init_cache
 from jlco.offload.latent import STAT_NAMES, OffloadLatent, share_groups
@@ -121,7 +120,7 @@ def _allocate(cfg: Config, host_memory: bool = True
     check_host_memory(cfg, pages.num_pages * cfg.cache.page_size * cfg.row_bytes
                       * cache_layers(cfg))
     # Host-driven: the pool is host_driven's HostLatentPool, outside the jitted cache.
-    host_driven_path = host_driven.resolve_fetch_path(cfg) == "host_driven"
+    host_driven_path = cfg.resolved_fetch_path() == "host_driven"
     batch, page = cfg.engine.max_batch_size, cfg.cache.page_size
     pages_per_req = pages.num_pages // batch
     n_layers, cap, rb = cache_layers(cfg), cfg.hot_buffer_rows, cfg.row_bytes
@@ -148,7 +147,7 @@ def _allocate(cfg: Config, host_memory: bool = True
 
 
 def _with_tables(cfg: Config, cache: DecodeCache) -> DecodeCache:
-    """The batch cache with each slot's penalty tables (`jlco.engine.penalize`)."""
+    """The batch cache with each slot's penalty tables (`jlco.sampling.penalize`)."""
     return dataclasses.replace(cache, seen=SeenTokens.zeros(cache.batch, cfg.model.vocab_size))
 
 

@@ -8,23 +8,30 @@ API that `jlco.generate`, the tools and the server use: submit / step / abort / 
 from __future__ import annotations
 
 import collections
+import functools
 import time
-from typing import Iterable
 
 from jlco.config import Config
+from jlco.engine.disagg import PrefillTransfer
+from jlco.engine.overlap import StepQueue, StepTimes
 from jlco.engine.prefill import WARMUP_QUERIES, next_job
-from jlco.engine.overlap import StepQueue
 from jlco.engine.runner import ModelRunner
-from jlco.engine.scheduler import (AdmissionStatus, Request, RequestError, RequestFields,
-                                   Scheduler, check_request)
-from jlco.engine.transfer import PrefilledRequest
+from jlco.engine.scheduler import (
+    AdmissionStatus,
+    Request,
+    RequestError,
+    RequestFields,
+    Scheduler,
+    check_request,
+)
+from jlco.sampling.params import SamplingParams, sampling_params
 
 __all__ = ["Engine", "Request", "RequestError"]
 
 WARMUP_PROMPT = 48   # tokens of the warm-up request (longer than tiny's index_topk)
 
 
-class Engine:
+class Engine(PrefillTransfer):
     """Continuous batching (s_q = 1 per step, or 1 + engine.num_draft_tokens with
     speculative decoding). Constructor arguments are the runner's (`ModelRunner`)."""
 
@@ -41,13 +48,14 @@ class Engine:
             host_watermarks=(sv.host_high_watermark, sv.host_low_watermark),
             device_watermarks=(sv.device_high_watermark, sv.device_low_watermark),
             ranks=cfg.mesh.data)
-        self.step_count = 0
-        self.step_seconds: list[float] = []   # wall time of each engine step that decoded
-        # Host time of each step not overlapping the device (wall minus device wait; an
-        # upper bound with async scheduling, whose host work overlaps the step in flight).
-        self.host_seconds: list[float] = []
+        self.times = StepTimes()
+        # Per decoding step: wall time, and host time not overlapping the device.
+        self.step_seconds, self.host_seconds = self.times.wall, self.times.host
         self._jobs: collections.deque = collections.deque()   # prefill.PrefillJob, oldest first
-        self.queue = StepQueue(self, _emit)   # the decode step in flight (async scheduling)
+        kind = self.runner.stepper.kind
+        # The decode step in flight (async scheduling).
+        self.queue = StepQueue(kind.follow, self.runner.collect,
+                               functools.partial(emit_tokens, self._append), self.times)
         self._imports: dict[int, float] = {}   # unclaimed imported prefills: import time
         self.orphans_swept = 0
 
@@ -58,25 +66,40 @@ class Engine:
 
     @property
     def spec_metrics(self):   # speculative-decoding counters, None without drafts
-        return None if self.runner.spec is None else self.runner.spec.metrics
+        return self.runner.stepper.metrics
+
+    @property
+    def step_kind(self):
+        """Which decode step runs (`jlco.engine.decode.StepKind`: drafts, fetch path, mesh,
+        whether steps overlap)."""
+        return self.runner.stepper.kind
+
+    @property
+    def step_count(self) -> int:
+        """Engine steps that decoded."""
+        return self.times.count
+
+    def add_step_observer(self, observe) -> None:
+        """Call observe(`jlco.engine.decode.StepRecord`) for every decode step collected
+        (tools and tests watch steps through this, they do not patch methods)."""
+        self.runner.stepper.observers.append(observe)
 
     # ---- requests -----------------------------------------------------------------
-    def submit(self, prompt, max_new_tokens: int, temperature: float = 0.0, seed: int = 0,
-               stop_token_ids: Iterable[int] = (), top_p: float = 1.0, top_k: int = 0,
-               **logprobs) -> Request:
-        """Queue a request (`Scheduler.add`); a bad field raises RequestError naming it."""
-        return self.scheduler.add(prompt, max_new_tokens, temperature, seed, stop_token_ids,
-                                  top_p=top_p, top_k=top_k, **logprobs)
+    def submit(self, prompt, max_new_tokens: int, params: SamplingParams | None = None,
+               **fields) -> Request:
+        """Queue a request (`Scheduler.add`) sampling with `params`, or with a
+        SamplingParams made of the sampling `fields` given by keyword (default: greedy);
+        a bad field raises RequestError naming it."""
+        return self.scheduler.add(prompt, max_new_tokens, sampling_params(params, **fields))
 
-    def check_request(self, prompt, max_new_tokens: int, temperature: float = 0.0,
-                      seed: int = 0, stop_token_ids: Iterable[int] = (), *, top_p: float = 1.0,
-                      top_k: int = 0, **logprobs) -> RequestFields:
-        """The fields `submit` would accept, normalised, or RequestError naming the bad one
-        (`jlco.engine.scheduler.check_request` against this engine's vocabulary and
-        context). Pure Python, so the server calls it on its own thread too."""
-        return check_request(prompt, max_new_tokens, temperature, seed, stop_token_ids,
-                             top_p=top_p, top_k=top_k, vocab_size=self.cfg.model.vocab_size,
-                             max_context_len=self.cfg.engine.max_context_len, **logprobs)
+    def check_request(self, prompt, max_new_tokens: int,
+                      params: SamplingParams | None = None) -> RequestFields:
+        """The request `submit` would accept, normalised, or RequestError naming the bad
+        field (`jlco.engine.scheduler.check_request` against this engine's vocabulary and
+        context). Pure Python, so a caller may run it on its own thread."""
+        return check_request(prompt, max_new_tokens, params,
+                             vocab_size=self.cfg.model.vocab_size,
+                             max_context_len=self.cfg.engine.max_context_len)
 
     def admission_status(self) -> AdmissionStatus:
         """What the server reports (`jlco.engine.scheduler.AdmissionStatus`)."""
@@ -93,72 +116,6 @@ class Engine:
         self._imports.pop(request_id, None)
         self.runner.forget(request_id)
 
-    # ---- PD disaggregation ----------------------------------------------------------
-    def export_prefill(self, prompt, max_new_tokens: int) -> PrefilledRequest:
-        """Prefill `prompt` here (a prefill node: no slot, no pages, nothing kept) and
-        return it for a decode node's `import_prefill`, which reserves room for
-        `max_new_tokens`. Invalid fields raise RequestError naming them."""
-        f = self.check_request(prompt, max_new_tokens)
-        req = Request(-1, f.prompt, f.max_new_tokens)   # never queued: no id of its own
-        job = self.runner.start_prefill(req, None, record=True)
-        while not job.finished:
-            self.runner.prefill_piece(job)
-        return self.runner.export_prefill(job, max_new_tokens)
-
-    def import_prefill(self, p: PrefilledRequest) -> Request:
-        """Take a request prefilled elsewhere into a free slot (its pages reserved for
-        prompt + max_new_tokens, rows installed, hot buffer warmed). It decodes once a
-        request `claim`s it; unclaimed it is freed by `sweep`. A payload that does not fit
-        this engine is a ValueError naming the tensor; no free slot or pages: RequestError
-        of kind "no_slot" / "no_pages"."""
-        p.check(self.cfg)
-        req = self.scheduler.add_running(len(p.prompt), p.max_new_tokens)
-        req.prompt = list(p.prompt)
-        try:
-            self.runner.import_prefill(req, p, self._page_row(req))
-        except Exception:
-            self.finish(req.id, "abort")
-            raise
-        self._imports[req.id] = time.monotonic()
-        return req
-
-    def claim(self, request_id: int, prompt, max_new_tokens: int, temperature: float = 0.0,
-              seed: int = 0, stop_token_ids: Iterable[int] = (), top_p: float = 1.0,
-              top_k: int = 0, top_logprobs: int = 0, prompt_logprobs=None, penalties=None,
-              min_p: float = 0.0, constraint=None) -> Request:
-        """Start decoding an imported prefill with these sampling fields: its first token
-        comes from the imported hidden state, then it decodes like any request. The
-        prompt must be the imported one and max_new_tokens within the reserved room."""
-        req = self.scheduler.requests.get(request_id)
-        if req is None or request_id not in self._imports:
-            raise RequestError(f"prefill_id: no unclaimed imported prefill {request_id!r}",
-                               "prefill_id", "not_found")
-        if list(prompt) != req.prompt:
-            raise RequestError("prompt: differs from the imported prefill's prompt", "prompt")
-        if max_new_tokens > req.max_new_tokens:
-            raise RequestError(f"max_new_tokens={max_new_tokens}: the import reserved room for "
-                               f"{req.max_new_tokens}", "max_new_tokens")
-        checked = self.check_request(prompt, max_new_tokens, temperature, seed, stop_token_ids,
-                                     top_p=top_p, top_k=top_k, top_logprobs=top_logprobs,
-                                     penalties=penalties, min_p=min_p, constraint=constraint)
-        for f in ("max_new_tokens", "temperature", "seed", "stop_token_ids", "top_p", "top_k",
-                  "top_logprobs", "penalties", "min_p", "constraint"):   # prompt_logprobs: an import has no prompt rows to score
-            setattr(req, f, getattr(checked, f))
-        del self._imports[request_id]
-        self._append(req, *self.runner.first_token(req))
-        return req
-
-    def sweep(self, ttl_s: float) -> int:
-        """Free imported prefills nobody claimed within `ttl_s` seconds → how many (also
-        added to `orphans_swept`)."""
-        now = time.monotonic()
-        stale = [rid for rid, t in self._imports.items() if now - t > ttl_s]
-        for rid in stale:
-            del self._imports[rid]
-            self.finish(rid, "abort")
-        self.orphans_swept += len(stale)
-        return len(stale)
-
     @property
     def has_work(self) -> bool:
         """A step would do something: requests waiting, prefills in progress or requests
@@ -166,11 +123,6 @@ class Engine:
         sched = self.scheduler
         return bool(sched.waiting) or bool(self._jobs) or self.queue.inflight is not None or any(
             r is not None and r.tokens for r in sched.slots)
-
-    @property
-    def num_imports(self) -> int:
-        """Imported prefills waiting to be claimed."""
-        return len(self._imports)
 
     @property
     def num_prefilling(self) -> int:
@@ -244,9 +196,11 @@ class Engine:
         if self.runner.trace is not None:
             self.runner.trace.close()
 
-    def generate(self, prompts, max_new_tokens: int, temperature: float = 0.0,
-                 seed: int = 0) -> list[Request]:
-        reqs = [self.submit(p, max_new_tokens, temperature, seed) for p in prompts]
+    def generate(self, prompts, max_new_tokens: int, params: SamplingParams | None = None,
+                 **fields) -> list[Request]:
+        """Submit every prompt with one sampling (as `submit`) and run them to the end."""
+        params = sampling_params(params, **fields)
+        reqs = [self.submit(p, max_new_tokens, params) for p in prompts]
         self.run()
         return reqs
 
@@ -276,9 +230,10 @@ class Engine:
         self.runner.close()
 
 
-def _emit(engine: Engine, decoding, out) -> None:
+def emit_tokens(append, decoding, out) -> None:
     """A decode step's tokens to their requests (with their drafts' counts and, when a
-    request asks, each token's alternatives); a finished request stops taking them."""
+    request asks, each token's alternatives) through `append(request, token, logprob)`
+    (True: the request finished and takes no more)."""
     n = len(decoding)
     for req, toks, logps, d, a, top in zip(decoding, out.tokens, out.logprobs,
                                            out.drafted or (0,) * n, out.accepted or (0,) * n,
@@ -286,7 +241,7 @@ def _emit(engine: Engine, decoding, out) -> None:
         req.num_drafted += d
         req.num_accepted += a
         for j, (tok, logp) in enumerate(zip(toks, logps)):
-            if req.top_logprobs:
+            if req.params.top_logprobs:
                 req.top_out.append(top[j])
-            if engine._append(req, tok, logp):
+            if append(req, tok, logp):
                 break

@@ -48,32 +48,15 @@ import numpy as np
 from flax import nnx
 
 from jlco.config import Config
+from jlco.engine import speculative
 from jlco.engine import steps as engine_steps
+from jlco.engine.inputs import StepInputs
 from jlco.model import kv_cache
 from jlco.model.kv_cache import DecodeCache, cache_layers
 from jlco.offload.host_fetch import HostFetcher, miss_list
-from jlco.engine.inputs import StepInputs
 from jlco.offload.host_pool import HostLatentPool, host_row_ids
 from jlco.offload.latent import follows, group_layers, resolve_selection, table_groups
-
-
-def resolve_fetch_path(cfg: Config) -> str:
-    """The miss-fetch path the engine runs for `cfg`: "in_jit" or "host_driven".
-
-    "auto" is in_jit except for storage "file", whose memmap only the host-driven path
-    reads. Measured on the 2-core CPU box (configs/tiny.py, f32 rows, warm median step,
-    `python tools/bench_fetch_path.py --batch=2` / `--batch=4`): in_jit 2.5 / 3.6 ms,
-    host_driven 11.0 / 14.9 ms (fetch wait 4.2 / 5.3 ms) — per layer it pays ~10
-    dispatches and 2 syncs that the single jitted step does not. Re-measure on
-    accelerators, where the in-jit gather's padding and host compute cost more."""
-    path, storage = cfg.cache.fetch_path, cfg.cache.storage
-    if path == "auto":
-        return "host_driven" if storage == "file" else "in_jit"
-    if path == "in_jit" and storage == "file":
-        raise NotImplementedError(
-            "cache.fetch_path='in_jit' with cache.storage='file': a jitted step cannot "
-            "address an np.memmap pool; use cache.fetch_path='host_driven' (or 'auto')")
-    return path
+from jlco.parallel import mesh as parallel_mesh
 
 
 def micro_batches(batch: int) -> tuple[tuple[int, int], ...]:
@@ -190,6 +173,50 @@ def _end_decode(graphdef, state, cache, x, saved_table, inputs: StepInputs):
     return engine_steps.sample_and_count(logits[:, -1], inputs, cache)
 
 
+@functools.partial(jax.jit, donate_argnums=2)
+def _spec_begin(graphdef, state, cache: DecodeCache, inputs: StepInputs, pend_n):
+    """A speculative step's start (`speculative.spec_step` before its drafter):
+    `engine_steps.open_step` → (cache, saved page table, lengths before, x_L [b])."""
+    cache, saved = engine_steps.open_step(cache, inputs.active)
+    return cache, saved, cache.lengths, speculative.last_tokens(inputs, pend_n)
+
+
+@jax.jit
+def _mtp_inputs(graphdef, state, h, next_tokens, start):
+    """`DeepseekV32.mtp_inputs`: what the MTP block takes."""
+    return nnx.merge(graphdef, state).mtp_inputs(h, next_tokens, start)
+
+
+@jax.jit
+def _mtp_draft(graphdef, state, x, last):
+    """The MTP head over the block's output x [b,s,d] → (the draft at each row's
+    position `last` [b], its hidden [b, d]), as `speculative.MTPDrafter.propose`."""
+    logits = nnx.merge(graphdef, state).mtp.shared_head(x)
+    rows = jnp.arange(x.shape[0])
+    return jnp.argmax(logits[rows, last], axis=-1).astype(jnp.int32), x[rows, last]
+
+
+@functools.partial(jax.jit, static_argnames=("drafter", "n"))
+def _propose(graphdef, state, cache, inputs, *, drafter, n: int):
+    """A drafter that reads no latent rows (`Drafter.needs_mtp_cache` false) → drafts."""
+    return drafter.propose(nnx.merge(graphdef, state), cache, inputs, n=n, impl="xla")[0]
+
+
+@jax.jit
+def _step_inputs(graphdef, state, cache: DecodeCache, tokens):
+    """`DeepseekV32.inputs` on a cache the step already opened."""
+    return nnx.merge(graphdef, state).inputs(tokens, cache)
+
+
+@functools.partial(jax.jit, donate_argnums=2, static_argnames=("rule",))
+def _spec_end(graphdef, state, cache: DecodeCache, x, saved, inputs: StepInputs, before,
+              drafts, *, rule: str):
+    """The model's `finish`, then `speculative.finish_spec`."""
+    model = nnx.merge(graphdef, state)
+    h, cache = model.finish(x, cache)
+    return speculative.finish_spec(model, h, cache, saved, inputs, before, drafts, rule=rule)
+
+
 _warm_up_tables = jax.jit(functools.partial(engine_steps.warm_up, fetch=False),
                           donate_argnums=0)
 
@@ -209,18 +236,28 @@ class HostDriven:
         self.cfg, self.impl, self.metrics = cfg, impl, metrics
         model = nnx.merge(graphdef, state)
         specs: dict = {}
-        self.layers = []
-        for layer in model.layers:
-            graphdef, state = nnx.split(layer)
+
+        def phases(block):
+            graphdef, state = nnx.split(block)
             leaves, treedef = jax.tree.flatten(state)
-            spec = specs.setdefault((graphdef, treedef), _Spec(graphdef, treedef))
-            self.layers.append((spec, tuple(leaves)))
+            return specs.setdefault((graphdef, treedef), _Spec(graphdef, treedef)), tuple(leaves)
+
+        self.layers = [phases(layer) for layer in model.layers]
+        self.mtp_block = None if model.mtp is None else phases(model.mtp.block)
         self.page_size = cfg.cache.page_size
+        # On a mesh: one pool in this process's memory, rows sent to every device that
+        # holds them (the hot buffer's sharding), not a pool per device.
+        mesh = parallel_mesh.active_mesh() is not None
         self.pool = HostLatentPool(cache_layers(cfg), num_pages, self.page_size, cfg.row_bytes,
                                    storage=cfg.cache.storage,
-                                   storage_path=cfg.cache.storage_path)
+                                   storage_path=cfg.cache.storage_path, process_memory=mesh)
         self.fetcher = HostFetcher(self.pool, cfg.cache.fetch_chunk_rows,
-                                   cfg.cache.prefetch_threads)
+                                   cfg.cache.prefetch_threads,
+                                   parallel_mesh.replicated() if mesh else None)
+        # Data ranks hand out rank-local page ids (`offload.pages.RankedPages`); the one
+        # pool here holds rank r's pages from r * pages_per_rank on.
+        ranks = cfg.mesh.data
+        self._rank_pages = (cfg.engine.max_batch_size // ranks, num_pages // ranks)
         self._finalizer = weakref.finalize(self, _close, self.pool, self.fetcher)
         self.micro = micro_batches(cfg.engine.max_batch_size)
         self._ids = [jnp.int32(i) for i in range(cache_layers(cfg))]
@@ -245,9 +282,15 @@ class HostDriven:
         return _end_decode(graphdef, state, cache, x, saved, inputs)
 
     def install(self, cache: DecodeCache, temp: DecodeCache, slot, n, page_row, seen_row=None):
-        """As `engine_steps.install`, plus the prefilled rows into the host pool."""
+        """As `engine_steps.install`, plus the prefilled rows into the host pool. With data
+        ranks the slot's page table holds pool-wide page ids (rank-local ids + the rank's
+        first page), so every phase addresses the one pool."""
+        slots_per_rank, pages_per_rank = self._rank_pages
+        table = np.asarray(page_row)
+        table = np.where(table >= 0, table + int(slot) // slots_per_rank * pages_per_rank, -1)
+        page_row = jnp.asarray(table, jnp.int32)
         cache = self._install(cache, temp, slot, n, page_row, seen_row)
-        table, n, p = np.asarray(page_row), int(n), self.page_size
+        n, p = int(n), self.page_size
         pos = np.arange(temp.max_len)
         page = table[np.minimum(pos // p, len(table) - 1)]
         ids = np.where((pos < n) & (pos // p < len(table)) & (page >= 0), page * p + pos % p, -1)
@@ -270,17 +313,56 @@ class HostDriven:
                                         s * cap + held)
         return dataclasses.replace(cache, latent=dataclasses.replace(lat, rows=rows)), fetched
 
+    def spec_step(self, graphdef, state, cache: DecodeCache, pend_h, inputs: StepInputs,
+                  pend_n, host_drafts, *, drafter, n: int, rule: str):
+        """As `speculative.spec_step`, every attention block (the MTP block's included)
+        run as phases with the host fetching misses in between. MTP drafts run the
+        MTP block here; another drafter's `propose` runs in one jit and must read no
+        latent rows."""
+        cache, saved, before, last = _spec_begin(graphdef, state, cache, inputs, pend_n)
+        draft_in = speculative.DraftInputs(pend_h, inputs.tokens, pend_n, host_drafts)
+        if drafter.needs_mtp_cache:
+            drafts, cache = self._mtp_drafts(graphdef, state, cache, draft_in, before, n)
+        else:
+            drafts = _propose(graphdef, state, cache, draft_in, drafter=drafter, n=n)
+        tokens = jnp.concatenate([last[:, None], drafts], axis=1)
+        x, cos, sin, positions, lengths = _step_inputs(graphdef, state, cache, tokens)
+        cache, x = self._run_layers(cache, x, cos, sin, positions, lengths, record=True)
+        return _spec_end(graphdef, state, cache, x, saved, inputs, before, drafts, rule=rule)
+
+    def _mtp_drafts(self, graphdef, state, cache, d: "speculative.DraftInputs", lengths, n):
+        """`speculative.MTPDrafter.propose` with the MTP block as phases → (drafts [b, n],
+        cache): the catch-up over each slot's pending positions, then the chain."""
+        layer = self.cfg.model.num_hidden_layers
+        gd, st = self.mtp_block
+        h, tok, start, last = d.pend_h, d.pend_tok, lengths - d.pend_n, d.pend_n - 1
+        drafts = []
+        for j in range(n):
+            x, cos, sin, positions, klen = _mtp_inputs(graphdef, state, h, tok, start)
+            cache, x = self._layer(layer, gd, st, cache, x, cos, sin, positions, klen, True,
+                                   [(None, None)] * len(self.micro))
+            draft, hx = _mtp_draft(graphdef, state, x, last)
+            drafts.append(draft)
+            h, tok, start, last = hx[:, None], draft[:, None], lengths + j, jnp.zeros_like(last)
+        host = d.host_drafts
+        return jnp.where(host >= 0, host, jnp.stack(drafts, axis=1)), cache
+
     # ---- one step --------------------------------------------------------------
     def _layers(self, graphdef, state, cache, tokens, active, record: bool):
         cache, saved, x, cos, sin, positions, lengths = _begin(graphdef, state, cache,
                                                                tokens, active)
+        cache, x = self._run_layers(cache, x, cos, sin, positions, lengths, record)
+        return cache, saved, x
+
+    def _run_layers(self, cache, x, cos, sin, positions, lengths, record: bool):
+        """Every main layer over the step's inputs → (cache, last layer's output)."""
         # The last full layer's (top-k, slot ids) per micro-batch.
         topk = [(None, None)] * len(self.micro)
         for i, (gd, st) in enumerate(self.layers):
             with jax.named_scope(f"layer_{i}"):
                 cache, x = self._layer(i, gd, st, cache, x, cos, sin, positions, lengths,
                                        record, topk)
-        return cache, saved, x
+        return cache, x
 
     def _layer(self, i, gd, st, cache, x, cos, sin, positions, lengths, record: bool, topk):
         """One layer, two micro-batches overlapped (see the module docstring). `topk`

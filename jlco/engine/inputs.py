@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jlco.engine.sampling import SlotSampling
+from jlco.sampling.sample import SlotSampling
 
 
 @partial(jax.tree_util.register_dataclass,

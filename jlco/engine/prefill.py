@@ -15,12 +15,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from jlco.config import Config
-from jlco.engine.sampling import first_token, position_logprobs
 from jlco.engine.scheduler import Request
 from jlco.model.kv_cache import DecodeCache, cache_layers, init_cache
-from jlco.util.buckets import (MIN_PIECE, WARMUP_QUERIES, piece_grid,  # noqa: F401
-                               prompt_pieces, record_rows)
-
+from jlco.sampling.sample import first_token, position_logprobs
+from jlco.util.buckets import (  # noqa: F401
+    MIN_PIECE,
+    WARMUP_QUERIES,
+    piece_grid,
+    prompt_pieces,
+    record_rows,
+)
 
 
 @dataclasses.dataclass(eq=False)
@@ -81,7 +85,7 @@ class PrefillJob:
         if not last and self.cache.record is not None:
             self.prev_records.append(self.cache.record)
             self.cache = dataclasses.replace(self.cache, record=None, record_from=None)
-        if self.req.prompt_logprobs is not None:
+        if self.req.params.prompt_logprobs is not None:
             nxt = np.zeros((width,), np.int32)
             follow = self.tokens[0, lo + 1:hi + 1]
             nxt[:len(follow)] = follow
@@ -93,7 +97,7 @@ class PrefillJob:
     def prompt_result(self) -> list | None:
         """Per prompt position 1 .. n-1: (log-prob of its token, [(id, log-prob)] of the
         request's `prompt_logprobs` most likely), None when it did not ask."""
-        k = self.req.prompt_logprobs
+        k = self.req.params.prompt_logprobs
         if k is None:
             return None
         out = []
@@ -187,7 +191,7 @@ def first_of(logits, req) -> tuple[int, float]:
     """A request's first token (token, log-prob) from the logits [1, V] after its prompt
     (a local prefill's or an imported one's); its alternatives go to `req.top_out`."""
     tok, logp, alts = first_token(logits, req)
-    if req.top_logprobs:
+    if req.params.top_logprobs:
         req.top_out = [alts]
     return tok, logp
 

@@ -269,52 +269,51 @@ def open_prefix(cfg) -> PrefixCache | None:
     return PrefixCache(cfg.cache.page_size, prefix_pages(cfg), mtp)
 
 
-def open_job_cache(runner, job):
-    """A job's one-request cache when its first piece runs: matched against the prefix
-    cache then (`PrefillJob.reuse`; the request reports `cached_tokens`), holding the
+def open_job_cache(prefix: PrefixCache | None, cfg, job, model, impl: str):
+    """A job's one-request cache when its first piece runs: matched against `prefix`
+    (None: off) then (`PrefillJob.reuse`; the request reports `cached_tokens`), holding the
     reused prefix, with the MTP fix-up of the piece that ends it when the cached prompt
-    ended there; empty without a hit."""
+    ended there (model: the split (graphdef, state)); empty without a hit."""
     from jlco.engine import prefill as engine_prefill
-    if runner.prefix is not None and job.req.prompt_logprobs is None:   # echo: all rows
-        job.reuse(runner.prefix.match(job.req.prompt, job.pieces))
+    if prefix is not None and job.req.params.prompt_logprobs is None:   # echo: all rows
+        job.reuse(prefix.match(job.req.prompt, job.pieces))
         job.req.cached_tokens = job.resume
-    cache = engine_prefill.open_cache(runner.cfg, job.max_len)
+    cache = engine_prefill.open_cache(cfg, job.max_len)
     if job.hit is None:
         return cache
-    cache = load(cache, job.hit, runner.cfg.cache.page_size)
+    cache = load(cache, job.hit, cfg.cache.page_size)
     if job.hit.fix is not None:
         from jlco.engine.speculative import mtp_fixup
         lo, hidden = job.hit.fix
-        cache = mtp_fixup((runner.graphdef, runner.state), cache, job.tokens, lo, hidden,
-                          impl=runner.impl)
+        cache = mtp_fixup(model, cache, job.tokens, lo, hidden, impl=impl)
     return cache
 
 
-def cache_job(runner, job) -> None:
-    """A finished prefill's full pages into the runner's prefix cache (those it computed,
+def cache_job(prefix: PrefixCache | None, cfg, job) -> None:
+    """A finished prefill's full pages into `prefix` (None: off) (those it computed,
     and a fixed-up page before them); with MTP, a page ending at the prompt's end keeps
     its piece's hidden states for the fix-up."""
     from jlco.engine import prefill as engine_prefill
-    if runner.prefix is None:
+    if prefix is None:
         return
-    ps, n = runner.cfg.cache.page_size, len(job.req.prompt)
+    ps, n = cfg.cache.page_size, len(job.req.prompt)
     fix = None
-    if runner.prefix.mtp and n % ps == 0 and job.piece_hidden is not None:
+    if prefix.mtp and n % ps == 0 and job.piece_hidden is not None:
         lo, _, width = job.pieces[-1]
         from jlco.engine.prefill import to_host
         fix = (lo, to_host(job.piece_hidden)[0, :width])
     first = job.resume // ps - (job.hit is not None and job.hit.fix is not None)
-    runner.prefix.insert(job.req.prompt, engine_prefill.pieces(runner.cfg, n), max(first, 0),
-                         reader(job.cache), fix)
+    prefix.insert(job.req.prompt, engine_prefill.pieces(cfg, n), max(first, 0),
+                  reader(job.cache), fix)
     job.piece_hidden = None
 
 
-def cache_import(runner, p) -> None:
-    """An imported prefill's pages into the prefix cache. Its rows were computed by the
+def cache_import(prefix: PrefixCache | None, cfg, p) -> None:
+    """An imported prefill's pages into `prefix` (None: off). Its rows were computed by the
     prefill node's pieces: the same as here when both run one config (as PD's
     bit-equality already requires)."""
     from jlco.engine import prefill as engine_prefill
-    if runner.prefix is None:
+    if prefix is None:
         return
-    runner.prefix.insert(p.prompt, engine_prefill.pieces(runner.cfg, len(p.prompt)), 0,
-                         payload_reader(p), None)
+    prefix.insert(p.prompt, engine_prefill.pieces(cfg, len(p.prompt)), 0, payload_reader(p),
+                  None)

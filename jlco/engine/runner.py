@@ -30,30 +30,22 @@ from flax import nnx
 
 from jlco import native
 from jlco.config import Config
-from jlco.engine import host_driven, penalize, prefill as engine_prefill, prefix, steps, transfer
+from jlco.engine import host_driven, overlap, prefix, steps, transfer
+from jlco.engine import prefill as engine_prefill
 from jlco.engine.allocation import allocate_cache
-from jlco.engine.inputs import DecodeOutput, alternatives
-from jlco.engine.overlap import Follower, live
+from jlco.engine.decode import DecodeStepper, PendingDecode
+from jlco.engine.inputs import DecodeOutput
 from jlco.engine.prefill import WARMUP_QUERIES, PrefillJob
 from jlco.engine.scheduler import Request
 from jlco.model.decoder import fuse_projections, use_native_matmuls
-from jlco.model.kv_cache import DecodeCache, cache_layers, scan_bucket
+from jlco.model.kv_cache import DecodeCache, cache_layers
 from jlco.model.moe import unstack_experts
 from jlco.model.prefill import final_logits, prefill
 from jlco.offload.latent import STAT_NAMES
 from jlco.offload.metrics import OffloadMetrics
 from jlco.pallas import dispatch
+from jlco.sampling import penalize
 from jlco.util.memory import release_free_memory
-
-
-@dataclasses.dataclass(frozen=True)
-class PendingDecode:
-    """A dispatched decode step: the device arrays to read (`arrays`), or the finished
-    output (`done`) for steps that ran to the end."""
-    running: tuple[Request, ...]
-    t0: float
-    arrays: tuple | None = None
-    done: DecodeOutput | None = None
 
 
 def _for_backend(cfg: Config, model):
@@ -115,23 +107,23 @@ class ModelRunner:
         # scan bucket (`kv_cache.scan_bucket`) needs no device read.
         self.slot_len = np.zeros((self.batch,), np.int64)
         self.host = None       # the host-driven fetch path, when cfg selects it
-        if self.offload and host_driven.resolve_fetch_path(cfg) == "host_driven":
+        if self.offload and cfg.resolved_fetch_path() == "host_driven":
             self.host = host_driven.HostDriven(cfg, self.graphdef, self.state, impl=self.impl,
                                                num_pages=self.pages.num_pages,
                                                metrics=self.metrics)
         self.trace = self._open_trace(trace_path)
+        if self.trace is not None and cfg.engine.num_draft_tokens:
+            raise ValueError("trace_path: top-k traces record s_q = 1 steps; set "
+                             "engine.num_draft_tokens=0 to record one")
         self.prefix = prefix.open_prefix(cfg)   # None with cache.prefix_cache off
-        self.follower = Follower(self)          # async scheduling's inputs
-        self.decode_fn = self.host.decode_step if self.host is not None else steps.BoundStep(
-            functools.partial(steps.decode_step, impl=self.impl), self.graphdef, self.state,
-            lambda fn: self.jit(fn, 1, ("batch", "batch", "cache"), ("rep", "cache", "batch")))
-        # Speculative decoding replaces decode() and the prefill pieces.
-        self.spec = None
-        if cfg.engine.num_draft_tokens:
-            from jlco.engine.speculative import Speculator
-            self.spec = Speculator(self, drafter)
-        elif drafter is not None:
-            raise ValueError("drafter: needs engine.num_draft_tokens >= 1 (it is 0)")
+        self.piece_observers: list = []   # fn(job, start time) after each prefill piece
+        self.stepper = DecodeStepper(cfg, self.graphdef, self.state, self.cache, self.slot_len,
+                                     impl=self.impl, host=self.host, drafter=drafter)
+
+    @property
+    def spec(self) -> DecodeStepper | None:
+        """The stepper when its steps speculate (engine.num_draft_tokens > 0), else None."""
+        return self.stepper if self.stepper.n else None
 
     def _open_trace(self, path: str | None):
         """The top-k trace writer (and the cache's per-step record buffer), or None."""
@@ -150,9 +142,6 @@ class ModelRunner:
         return self.cache.latent.page_table.shape[1]
 
     # ---- jitted functions ---------------------------------------------------------
-    def cache_shardings(self):
-        return steps.cache_shardings(self.cache)
-
     def jit(self, fn, donate: int, outs: tuple[str, ...], roles: tuple[str, ...] = ()):
         """`steps.jit_on_cache` over this runner's cache."""
         return steps.jit_on_cache(fn, self.cache, self.offload, donate, outs, roles)
@@ -187,29 +176,38 @@ class ModelRunner:
 
     def prefill_piece(self, job: PrefillJob) -> int:
         """Run the job's next piece (queued on the device, no sync) → its cost in prompt
-        positions computed (its padded width); with MTP also the MTP layer's rows."""
+        positions computed (its padded width); with MTP also the MTP layer's rows. Each
+        of `piece_observers` is called with (job, the piece's start time) after it."""
+        t0 = time.perf_counter()
         if job.cache is None:
-            job.cache = prefix.open_job_cache(self, job)
+            job.cache = prefix.open_job_cache(self.prefix, self.cfg, job,
+                                              (self.graphdef, self.state), self.impl)
         lo, hi, chunk = job.pieces[job.done_pieces]
         job.cache = job.recording(self.cfg, job.cache)
         job.logits, job.hidden, job.cache, h_all = self.run_piece(job.req, job.cache,
                                                                   job.tokens, lo, hi, chunk)
         job.piece_done(h_all, final_logits, (self.graphdef, self.state))
+        for observe in self.piece_observers:
+            observe(job, t0)
         return chunk
 
     def run_piece(self, req, cache, tokens, lo, hi, chunk, scan_len="auto"):
         """Prompt positions lo..hi-1 of tokens [1, n] as one piece of width `chunk` →
         (logits, hidden, cache, every position's hidden [1, chunk, d]); with MTP rows."""
-        if self.spec is not None:
-            return self.spec.prefill(req, cache, tokens, lo, hi, chunk, scan_len)
-        return prefill((self.graphdef, self.state), cache, tokens[:, lo:hi], chunk=chunk,
-                       impl=self.impl, scan_len=scan_len, keep_hidden=True)
+        drafter = self.stepper.drafter
+        after = tokens[:, lo + 1:hi + 1] if drafter is not None and drafter.needs_mtp_cache \
+            else None
+        out = prefill((self.graphdef, self.state), cache, tokens[:, lo:hi], chunk=chunk,
+                      impl=self.impl, scan_len=scan_len, keep_hidden=True, mtp_next=after)
+        if req is not None:   # None: a warm-up compile
+            self.stepper.admit(req.id, out[1])
+        return out
 
     def finish_prefill(self, job: PrefillJob) -> tuple[int, float]:
         """Install a finished prefill in its slot (offloaded: warm its hot buffer) and
         sample its first token → (token, log-prob); its pages go to the prefix cache."""
         assert job.finished, "finish_prefill: pieces left"
-        prefix.cache_job(self, job)
+        prefix.cache_job(self.prefix, self.cfg, job)
         first = engine_prefill.first_token_of(job)
         self._admit(job.cache, job.req, job.page_row, job.warmup_record(), first[0])
         job.cache = None
@@ -247,7 +245,7 @@ class ModelRunner:
         until a request claims it (`first_token`). It is installed only then: while the
         slot idles, decode steps write their dummy token into idle slots."""
         self._imported[req.id] = (p, page_row)
-        prefix.cache_import(self, p)
+        prefix.cache_import(self.prefix, self.cfg, p)
 
     def first_token(self, req: Request) -> tuple[int, float]:
         """Install a claimed import in its slot as `finish_prefill` installs a local
@@ -258,8 +256,7 @@ class ModelRunner:
         first = engine_prefill.first_of(final_logits(self.graphdef, self.state, h)[None, 0], req)
         self._admit(transfer.import_cache(self.cfg, p, self.max_len), req, page_row, p.record,
                     first[0])
-        if self.spec is not None:
-            self.spec.admit(req.id, h)
+        self.stepper.admit(req.id, h)
         return first
 
     # ---- decode -------------------------------------------------------------------
@@ -270,44 +267,18 @@ class ModelRunner:
     def dispatch(self, running: Sequence[Request],
                  follow: PendingDecode | None = None) -> PendingDecode:
         """Queue one decode step on the device and return at once (JAX's async dispatch;
-        `collect` waits); follow: a plain step in flight whose requests' output tokens
-        this one takes on the device (`overlap.Follower`). Speculative and host-driven
-        steps run to the end here (their host work sits between device phases)."""
-        t0 = time.perf_counter()
-        furthest = max(int(self.slot_len[r.slot]) for r in running)
-        if self.spec is not None:
-            scan = scan_bucket(furthest + self.spec.n + 1, self.max_len)
-            out, self.cache, stats = self.spec.step(self.cache, running, scan)
-            if stats is not None:
-                record_stats(self.metrics, stats)
-            for r, toks in zip(running, out.tokens):
-                self.slot_len[r.slot] += len(toks)
-            # Ran to the end: its wait counts as device time (host share not separable).
-            return PendingDecode(tuple(running), t0, done=out)
-        scan = scan_bucket(furthest + 1, self.max_len)
-        inputs = self.follower.inputs(running, follow)
-        tok, logp, cache = self.decode_fn(self.graphdef, self.state,
-                                          dataclasses.replace(self.cache, scan_len=scan),
-                                          inputs)
-        self.cache = dataclasses.replace(cache, scan_len=None)
-        for r in running:
-            self.slot_len[r.slot] += 1
-        # Copies: a prefill installed before `collect` donates the cache these live in.
-        stats = jnp.copy(self.cache.latent.stats) if self.offload else None
-        rec = None if self.cache.record is None else jnp.copy(self.cache.record)
-        return PendingDecode(tuple(running), t0, arrays=(tok, logp, stats, rec))
+        `collect` waits); follow: the step in flight, whose output tokens the requests it
+        decodes take on the device (`jlco.engine.decode`)."""
+        pending, self.cache = self.stepper.dispatch(self.cache, running, follow)
+        return pending
 
-    def collect(self, pending: PendingDecode) -> DecodeOutput:
-        """Wait for a dispatched step → the tokens of its requests still running (`live`),
-        one sync for tokens, log-probs and the offload counters."""
-        if pending.done is not None:
-            return pending.done
-        running = live(pending)
-        t_wait = time.perf_counter()
-        jax.block_until_ready(pending.arrays)
-        waited = time.perf_counter() - t_wait
-        tok, logp, stats, rec = jax.device_get(pending.arrays)
-        seconds = time.perf_counter() - pending.t0
+    def collect(self, pending: PendingDecode, running: Sequence[Request] | None = None
+                ) -> DecodeOutput:
+        """Wait for a dispatched step → the tokens of `running` (default: its requests
+        still running, `overlap.live`), one sync for tokens, log-probs and the offload
+        counters."""
+        running = overlap.live(pending) if running is None else running
+        out, _, stats, rec = self.stepper.collect(pending, running)
         if stats is not None:
             record_stats(self.metrics, stats)
         if self.trace is not None:
@@ -315,7 +286,7 @@ class ModelRunner:
                 for layer in range(rec.shape[0]):
                     ids = rec[layer, r.slot, 0]
                     self.trace.record(r.id, len(r.tokens) - 1, layer, ids[ids >= 0])
-        return _output(running, tok, logp, seconds, waited)
+        return out
 
     def forward(self, tokens, active) -> np.ndarray:
         """Append tokens [batch, s] to the active slots' caches → logits [batch, s, V]:
@@ -329,8 +300,7 @@ class ModelRunner:
         """A request left its slot (finished or aborted): drop what the runner keeps for
         it (speculative decoding's pending hidden states)."""
         self._imported.pop(request_id, None)
-        if self.spec is not None:
-            self.spec.forget(request_id)
+        self.stepper.forget(request_id)
 
     def close(self) -> None:
         """Close the trace file and the host-driven pool (its file, if any)."""
@@ -347,13 +317,3 @@ def record_stats(metrics: OffloadMetrics, stats: np.ndarray) -> None:
         metrics.update(layer, lookups=c["lookups"], hits=c["hits"], misses=c["misses"],
                        h2d_rows=c["misses"], h2d_moved_rows=c["h2d_moved_rows"],
                        d2h_rows=c["d2h_rows"])
-
-
-def _output(running, tok, logp, seconds: float, waited: float) -> DecodeOutput:
-    """A plain decode step's host arrays (tokens [b], (log-probs [b], alternatives
-    [b, K] x 2)) as the DecodeOutput of `running` (one token each)."""
-    lp, ids, lps = logp
-    return DecodeOutput(
-        tuple((int(tok[r.slot]),) for r in running),
-        tuple((float(lp[r.slot]),) for r in running), seconds, wait_seconds=waited,
-        top=tuple((alternatives(ids[r.slot], lps[r.slot], r.top_logprobs),) for r in running))

@@ -25,11 +25,11 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from typing import Iterable, Sequence
+from typing import Sequence
 
-from jlco.engine.errors import REFUSALS, RequestError  # noqa: F401 (re-exported)
-from jlco.engine.penalties import Penalties, check_penalties
 from jlco.offload.pages import HostPoolFull, PageAllocator, RankedPages
+from jlco.sampling.errors import REFUSALS, RequestError  # noqa: F401 (re-exported)
+from jlco.sampling.params import SamplingParams, as_int, is_token
 
 STATUSES = ("waiting", "running", "finished", "aborted")
 FINISH_REASONS = ("length", "stop", "abort")
@@ -38,11 +38,7 @@ class Request:
     id: int
     prompt: list[int]
     max_new_tokens: int
-    temperature: float = 0.0
-    seed: int = 0
-    stop_token_ids: tuple[int, ...] = ()
-    top_p: float = 1.0               # nucleus sampling (1 = off)
-    top_k: int = 0                   # top-k sampling (0 = off)
+    params: SamplingParams = SamplingParams()   # checked against the engine (`check_request`)
     tokens: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
     status: str = "waiting"          # one of STATUSES
@@ -51,15 +47,10 @@ class Request:
     num_drafted: int = 0             # speculative decoding: draft tokens proposed for it
     num_accepted: int = 0            # ... and accepted
     cached_tokens: int = 0           # prompt positions reused from the prefix cache
-    prompt_logprobs: int | None = None   # alternatives per prompt position (None: no echo)
-    top_logprobs: int = 0            # alternatives of the first generated token
     # Filled by the runner: per prompt position 1..n-1 (logprob, [(id, logprob), ...]);
     # per generated token with alternatives, [(id, logprob), ...].
     prompt_logprob_out: list | None = None
     top_out: list = dataclasses.field(default_factory=list)
-    penalties: Penalties = Penalties()   # presence/frequency/repetition, bias, min_tokens
-    min_p: float = 0.0               # min-p sampling (0 = off)
-    constraint: object = None        # a jlco.engine.constraint.TokenConstraint (None: free)
 
     @property
     def done(self) -> bool:
@@ -133,53 +124,24 @@ class AdmissionStatus:
         return None
 
 
-def _is_token(t, vocab: int) -> bool:
-    return isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
-
-
-def _as_int(t):
-    """numpy and other integer scalars as Python ints (bools and the rest unchanged)."""
-    return int(t) if hasattr(t, "__index__") and not isinstance(t, bool) else t
-
-
 @dataclasses.dataclass(frozen=True)
 class RequestFields:
-    """A request's fields as `check_request` accepted them, normalised (Python ints and
-    floats, top_k capped at the vocabulary)."""
+    """A request as `check_request` accepted it: the prompt as Python ints and the
+    sampling parameters checked against the engine (`SamplingParams.check`)."""
     prompt: list[int]
     max_new_tokens: int
-    temperature: float
-    seed: int
-    stop_token_ids: tuple[int, ...]
-    top_p: float
-    top_k: int
-    prompt_logprobs: int | None = None
-    top_logprobs: int = 0
-    penalties: Penalties = Penalties()
-    min_p: float = 0.0
-    constraint: object = None
+    params: SamplingParams = SamplingParams()
 
 
-MAX_LOGPROBS = 20   # alternatives per position at most (OpenAI's cap; sampling.TOP_LOGPROBS)
-
-
-def _is_number(v, lo: float, hi: float, *, open_lo: bool = False) -> bool:
-    ok = isinstance(v, (int, float)) and not isinstance(v, bool)
-    return ok and (lo < v if open_lo else lo <= v) and v <= hi
-
-
-def check_request(prompt: Sequence[int], max_new_tokens: int, temperature: float = 0.0,
-                  seed: int = 0, stop_token_ids: Iterable[int] = (), *, top_p: float = 1.0,
-                  top_k: int = 0, vocab_size: int, max_context_len: int,
-                  prompt_logprobs: int | None = None, top_logprobs: int = 0,
-                  penalties: Penalties | None = None, min_p: float = 0.0,
-                  constraint=None) -> RequestFields:
-    """The one check of a request's fields, for every way in (queued, claimed after a PD
-    import, prefilled for export, and the server before it queues): → RequestFields, or
-    RequestError naming the first bad field."""
+def check_request(prompt: Sequence[int], max_new_tokens: int,
+                  params: SamplingParams | None = None, *, vocab_size: int,
+                  max_context_len: int) -> RequestFields:
+    """The one check of a request against the engine, for every way in (queued, claimed
+    after a PD import, prefilled for export): → RequestFields, or RequestError naming
+    the first bad field. `params` (default: greedy) checked its own fields when made."""
     vocab = vocab_size
-    prompt = [_as_int(t) for t in prompt]
-    if not prompt or not all(_is_token(t, vocab) for t in prompt):
+    prompt = [as_int(t) for t in prompt]
+    if not prompt or not all(is_token(t, vocab) for t in prompt):
         raise RequestError(f"prompt: must be a non-empty list of token ids in 0..{vocab - 1}",
                            "prompt")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) \
@@ -190,34 +152,10 @@ def check_request(prompt: Sequence[int], max_new_tokens: int, temperature: float
         raise RequestError(f"len(prompt) + max_new_tokens = {len(prompt) + max_new_tokens} "
                            f"exceeds engine.max_context_len={max_context_len}",
                            "max_new_tokens", "too_long")
-    if not _is_number(temperature, 0.0, 100.0):
-        raise RequestError(f"temperature={temperature!r}: allowed 0 (greedy) .. 100",
-                           "temperature")
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2 ** 32:
-        raise RequestError(f"seed={seed!r}: allowed an integer in 0..2**32-1", "seed")
-    if not _is_number(top_p, 0.0, 1.0, open_lo=True):
-        raise RequestError(f"top_p={top_p!r}: allowed a number in (0, 1] (1 = off)", "top_p")
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
-        raise RequestError(f"top_k={top_k!r}: allowed an integer >= 0 (0 = off)", "top_k")
-    stops = tuple(_as_int(t) for t in stop_token_ids)
-    if not all(_is_token(t, vocab) for t in stops):
-        raise RequestError(f"stop_token_ids={list(stops)!r}: allowed token ids in "
-                           f"0..{vocab - 1}", "stop_token_ids")
-    for name, v in (("prompt_logprobs", prompt_logprobs), ("top_logprobs", top_logprobs)):
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int)
-                              or not 0 <= v <= MAX_LOGPROBS):
-            raise RequestError(f"{name}={v!r}: allowed an integer in 0..{MAX_LOGPROBS}", name)
-    if not _is_number(min_p, 0.0, 1.0):
-        raise RequestError(f"min_p={min_p!r}: allowed a number in [0, 1] (0 = off)", "min_p")
-    pen = check_penalties(penalties, vocab_size=vocab, max_new_tokens=max_new_tokens,
-                          stop_token_ids=stops)
-    if constraint is not None and not all(hasattr(constraint, a)
-                                          for a in ("fill", "consume", "stopped")):
-        raise RequestError(f"constraint={constraint!r}: allowed a "
-                           "jlco.engine.constraint.TokenConstraint or None", "constraint")
-    return RequestFields(prompt, max_new_tokens, float(temperature), seed, stops,
-                         float(top_p), min(top_k, vocab), prompt_logprobs, top_logprobs or 0,
-                         pen, float(min_p), constraint)
+    if params is not None and not isinstance(params, SamplingParams):
+        raise TypeError(f"params={params!r}: allowed a SamplingParams or None")
+    params = SamplingParams() if params is None else params
+    return RequestFields(prompt, max_new_tokens, params.check(vocab, max_new_tokens))
 
 
 class Scheduler:
@@ -257,23 +195,13 @@ class Scheduler:
         self._ids = itertools.count()
 
     # ---- requests -----------------------------------------------------------------
-    def add(self, prompt: Sequence[int], max_new_tokens: int, temperature: float = 0.0,
-            seed: int = 0, stop_token_ids: Iterable[int] = (), *, top_p: float = 1.0,
-            top_k: int = 0, prompt_logprobs: int | None = None, top_logprobs: int = 0,
-            penalties: Penalties | None = None, min_p: float = 0.0,
-            constraint=None) -> Request:
-        """Check (`check_request`) and queue a request; a bad field raises RequestError
-        naming it. prompt_logprobs: also the log-prob of every prompt token with that
-        many alternatives (None: not); top_logprobs: alternatives of the first token."""
-        f = check_request(prompt, max_new_tokens, temperature, seed, stop_token_ids,
-                          top_p=top_p, top_k=top_k, vocab_size=self.vocab_size,
-                          max_context_len=self.max_context_len,
-                          prompt_logprobs=prompt_logprobs, top_logprobs=top_logprobs,
-                          penalties=penalties, min_p=min_p, constraint=constraint)
-        req = Request(next(self._ids), f.prompt, f.max_new_tokens, f.temperature, f.seed,
-                      f.stop_token_ids, top_p=f.top_p, top_k=f.top_k,
-                      prompt_logprobs=f.prompt_logprobs, top_logprobs=f.top_logprobs,
-                      penalties=f.penalties, min_p=f.min_p, constraint=f.constraint)
+    def add(self, prompt: Sequence[int], max_new_tokens: int,
+            params: SamplingParams | None = None) -> Request:
+        """Check (`check_request`) and queue a request sampling with `params` (default:
+        greedy); a bad field raises RequestError naming it."""
+        f = check_request(prompt, max_new_tokens, params, vocab_size=self.vocab_size,
+                          max_context_len=self.max_context_len)
+        req = Request(next(self._ids), f.prompt, f.max_new_tokens, f.params)
         self.requests[req.id] = req
         self.waiting.append(req)
         return req
@@ -381,10 +309,10 @@ class Scheduler:
             raise RequestError(f"request {req.id} is {req.status}: cannot take tokens")
         req.tokens.append(int(token))
         req.logprobs.append(float(logprob))
-        if req.constraint is not None:
-            req.constraint.consume(int(token))
-        if int(token) in req.stop_token_ids or (req.constraint is not None
-                                                and req.constraint.stopped):
+        c = req.params.constraint
+        if c is not None:
+            c.consume(int(token))
+        if int(token) in req.params.stop_token_ids or (c is not None and c.stopped):
             self._release(req, "finished", "stop")
         elif len(req.tokens) >= req.max_new_tokens:
             self._release(req, "finished", "length")

@@ -58,23 +58,19 @@ a drafter that samples (q not a point mass), which none here does.
 from __future__ import annotations
 
 import dataclasses
-import functools
-import time
 from typing import Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import SingleDeviceSharding
 
-from jlco.engine import host_driven as engine_host
-from jlco.engine import penalize
-from jlco.engine.inputs import DecodeOutput, StepInputs, alternatives
-from jlco.engine.sampling import verify
+from jlco.engine.inputs import StepInputs
 from jlco.engine.steps import close_step, open_step
-from jlco.model.prefill import final_logits, prefill
 from jlco.model.kv_cache import prefill_scan
+from jlco.model.prefill import mtp_followers, mtp_rows
+from jlco.sampling import penalize
+from jlco.sampling.sample import verify
 
 
 class DraftInputs(NamedTuple):
@@ -190,14 +186,27 @@ def spec_step(graphdef, state, cache, pend_h, inputs: StepInputs, pend_n, host_d
     drafts [b], verify hidden [b, n+1, d], drafts [b, n], cache); lengths roll back to
     L + accepted + 1, accepted capped by the tokens each request may still emit."""
     model = nnx.merge(graphdef, state)
-    active = inputs.active
-    cache, saved = open_step(cache, active)
+    cache, saved = open_step(cache, inputs.active)
     before = cache.lengths
     drafts, cache = drafter.propose(model, cache, DraftInputs(pend_h, inputs.tokens, pend_n,
                                                               host_drafts), n=n, impl=impl)
-    last = inputs.tokens[jnp.arange(inputs.tokens.shape[0]), pend_n - 1]
-    h, cache = model(jnp.concatenate([last[:, None], drafts], axis=1), cache, impl=impl)
-    tok, logp, accepted = verify(model.logits(h), drafts, inputs.sampling, sampling, cache.seen)
+    tokens = jnp.concatenate([last_tokens(inputs, pend_n)[:, None], drafts], axis=1)
+    h, cache = model(tokens, cache, impl=impl)
+    return finish_spec(model, h, cache, saved, inputs, before, drafts, rule=sampling)
+
+
+def last_tokens(inputs: StepInputs, pend_n) -> jax.Array:
+    """Each slot's last real pending token x_L [b]: the first position a step verifies."""
+    return inputs.tokens[jnp.arange(inputs.tokens.shape[0]), pend_n - 1]
+
+
+def finish_spec(model, h, cache, saved, inputs: StepInputs, before, drafts, *, rule: str):
+    """The end of a speculative step, after the verify forward's final-normed hidden
+    h [b, n+1, d]: `sampling.verify`, the cap on tokens left, `steps.close_step` with
+    lengths rolled back to before + accepted + 1, the penalty tables counted → the
+    outputs of `spec_step`. Shared by both fetch paths."""
+    active = inputs.active
+    tok, logp, accepted = verify(model.logits(h), drafts, inputs.sampling, rule, cache.seen)
     accepted = jnp.minimum(accepted, jnp.maximum(inputs.limit - 1, 0)).astype(jnp.int32)
     cache = close_step(cache, active, saved, lengths=before + accepted + 1)
     cache = dataclasses.replace(cache, seen=penalize.count(
@@ -205,212 +214,13 @@ def spec_step(graphdef, state, cache, pend_h, inputs: StepInputs, pend_n, host_d
     return tok, logp, accepted, h, drafts, cache
 
 
-@functools.lru_cache(maxsize=None)
-def _jitted_step(drafter: Drafter, n: int, impl: str, sampling: str, out_shardings):
-    """`spec_step` jitted once per (drafter class, n, impl, spec_sampling, output
-    shardings), so engines built alike share one compiled step. out_shardings: (leaves,
-    treedef) or None (offload off: jit keeps everything on device)."""
-    fn = functools.partial(spec_step, drafter=drafter, n=n, impl=impl, sampling=sampling)
-    if out_shardings is None:
-        return jax.jit(fn, donate_argnums=2)
-    return jax.jit(fn, donate_argnums=2,
-                   out_shardings=jax.tree.unflatten(out_shardings[1], out_shardings[0]))
-
-
-@functools.partial(jax.jit, static_argnames=("impl",), donate_argnames=("cache",))
-def _main_chunk(graphdef, state, cache, tokens, n_new, *, impl):
-    """A prefill chunk through the main model → (final-normed hidden [b, c, d], cache)."""
-    return nnx.merge(graphdef, state)(tokens, cache, n_new, impl=impl)
-
-
-@functools.partial(jax.jit, static_argnames=("impl",), donate_argnames=("cache",))
-def _mtp_chunk(graphdef, state, cache, h, next_tokens, start, *, impl):
-    """The MTP block over a prefill chunk's positions: writes its cache rows only (the
-    draft logits are dead code here and compiled away)."""
-    return nnx.merge(graphdef, state).mtp_logits(h, next_tokens, cache, start, impl=impl)[2]
-
-
-def prefill_with_mtp(model, cache, prompt: np.ndarray, lo: int, hi: int, *, chunk: int,
-                     impl: str, scan_len: int | None | str = "auto"):
-    """Prefill prompt [1, n] positions lo..hi-1 (cache.lengths == lo) in chunks of
-    `chunk` (the shapes `jlco.model.prefill` uses), and after each chunk the MTP block over
-    the same positions with the following prompt token. The last prompt position's
-    follower is the first generated token: its MTP row is written by the first
-    speculative step. → (logits [1, V] at position hi-1, its hidden [1, d], cache, the
-    last chunk's hidden [1, chunk, d])."""
-    graphdef, state = model
-    n = prompt.shape[1]
-    last_h = h = None
-    for start in range(lo, hi, chunk):
-        width = min(chunk, hi - start)
-        piece = np.zeros((1, chunk), np.int32)
-        piece[:, :width] = prompt[:, start:start + width]
-        # Both blocks scan the keys as `jlco.model.prefill` does (`scan_len` likewise).
-        scan = prefill_scan(start + chunk, cache.max_len) if scan_len == "auto" else scan_len
-        cache = dataclasses.replace(cache, scan_len=scan)
-        h, cache = _main_chunk(graphdef, state, cache, jnp.asarray(piece),
-                               jnp.asarray([width], jnp.int32), impl=impl)
-        cache = _mtp_chunk(graphdef, state, cache, h, _followers(prompt, start, chunk, n),
-                           jnp.asarray([start], jnp.int32), impl=impl)
-        cache = dataclasses.replace(cache, scan_len=None)
-        last_h = h[:, width - 1]
-    return final_logits(graphdef, state, last_h), last_h, cache, h
-
-
-def _followers(prompt: np.ndarray, start: int, chunk: int, n: int) -> jax.Array:
-    """The MTP block's next tokens [1, chunk] for positions start .. (0 past the prompt)."""
-    follow = np.zeros((1, chunk), np.int32)
-    nxt = prompt[:, start + 1:min(start + chunk + 1, n)]
-    follow[:, :nxt.shape[1]] = nxt
-    return jnp.asarray(follow)
-
-
 def mtp_fixup(model, cache, prompt: np.ndarray, lo: int, hidden: np.ndarray, *, impl: str):
     """The MTP block of the piece lo .. lo + w - 1 again, from that piece's main hidden
     states [w, d] (kept by the prefix cache) and the followers `prompt` [1, n] has now:
     a cached prefix whose last position ended its own prompt gets that position's MTP
-    row exactly as a prefill of this prompt computes it (`prefill_with_mtp`)."""
-    graphdef, state = model
+    row exactly as a prefill of this prompt computes it (`model.prefill.prefill` with
+    `mtp_next`)."""
     w = hidden.shape[0]
-    cache = dataclasses.replace(cache, scan_len=prefill_scan(lo + w, cache.max_len))
-    cache = _mtp_chunk(graphdef, state, cache, jnp.asarray(hidden)[None],
-                       _followers(prompt, lo, w, prompt.shape[1]),
-                       jnp.asarray([lo], jnp.int32), impl=impl)
-    return dataclasses.replace(cache, scan_len=None)
-
-
-class Speculator:
-    """The runner's speculative stepping (`cfg.engine.num_draft_tokens` > 0). Keeps, per
-    batch slot, the main hidden states of the positions the MTP layer has not seen yet
-    (on device) and, per request, how many there are."""
-
-    def __init__(self, runner, drafter: Drafter | None = None):
-        cfg = runner.cfg
-        self.n = cfg.engine.num_draft_tokens
-        if self.n < 1:
-            raise ValueError(f"engine.num_draft_tokens={self.n}: speculative decoding needs "
-                             "an integer in 1..7")
-        self.drafter = MTPDrafter() if drafter is None else drafter
-        if not isinstance(self.drafter, Drafter):
-            raise ValueError(f"drafter={drafter!r}: allowed a jlco.engine.speculative.Drafter")
-        if self.drafter.needs_mtp_cache and nnx.merge(runner.graphdef, runner.state).mtp is None:
-            raise ValueError(f"engine.num_draft_tokens={self.n} with MTP drafts needs a model "
-                             "with an MTP layer (model.num_nextn_predict_layers=1)")
-        if runner.trace is not None:
-            raise ValueError("trace_path: top-k traces record s_q = 1 steps; set "
-                             "engine.num_draft_tokens=0 to record one")
-        if runner.offload and engine_host.resolve_fetch_path(cfg) == "host_driven":
-            raise NotImplementedError(
-                f"engine.num_draft_tokens={self.n} with cache.fetch_path='host_driven' "
-                "(or storage 'file'): speculative steps run the in-jit fetch path only")
-        # What the step needs of the runner, read once: the speculator returns new
-        # state to the runner and never writes the runner's.
-        self.graphdef, self.state, self.impl = runner.graphdef, runner.state, runner.impl
-        self.batch, self.offload, self.vocab = runner.batch, runner.offload, cfg.model.vocab_size
-        self.metrics = SpecMetrics()
-        # Committed to the device like the step's outputs: an uncommitted first input
-        # would make the second step compile again.
-        self.pend_h = jax.device_put(
-            jnp.zeros((runner.batch, self.n + 1, cfg.model.hidden_size),
-                      jnp.dtype(cfg.model.dtype)), jax.devices()[0])
-        self.pend_n: dict[int, int] = {}
-        self._fresh: dict[int, jax.Array] = {}
-        # Set to a list to record (request id, slot, tokens before the step, drafts).
-        self.draft_log: list | None = None
-        shard = None
-        if runner.offload:   # the host pool must come back in host memory (steps.py)
-            dev = SingleDeviceSharding(jax.devices()[0])
-            leaves, tree = jax.tree.flatten((dev,) * 5 + (runner.cache_shardings(),))
-            shard = (tuple(leaves), tree)
-        self._jit = _jitted_step(self.drafter, self.n, runner.impl, cfg.engine.spec_sampling,
-                                 shard)
-
-    def prefill(self, req, temp, prompt, lo, hi, chunk, scan_len="auto"):
-        """The runner's prefill of prompt positions lo..hi-1, with the MTP rows filled
-        when the drafter reads them; remembers the last hidden for the first step
-        (`req` None: a warm-up compile, nothing remembered) → (logits, last hidden,
-        cache, the piece's hidden states [1, chunk, d])."""
-        model = (self.graphdef, self.state)
-        if self.drafter.needs_mtp_cache:
-            out = prefill_with_mtp(model, temp, prompt, lo, hi, chunk=chunk, impl=self.impl,
-                                   scan_len=scan_len)
-        else:
-            out = prefill(model, temp, prompt[:, lo:hi], chunk=chunk, impl=self.impl,
-                          scan_len=scan_len, keep_hidden=True)
-        if req is not None:
-            self.admit(req.id, out[1])
-        return out
-
-    def admit(self, request_id: int, hidden: jax.Array) -> None:
-        """A request's final prompt hidden state [1, d] (prefilled here or imported):
-        its first step's MTP catch-up starts from it."""
-        self._fresh[request_id] = hidden
-
-    def _inputs(self, running):
-        """→ (StepInputs with each slot's pending tokens, pend_n [b], host drafts [b, n])."""
-        b, n = self.batch, self.n
-        for r in running:
-            if r.id in self._fresh:
-                self.pend_h = self.pend_h.at[r.slot, 0].set(self._fresh.pop(r.id)[0])
-                self.pend_n[r.id] = 1
-        # A fixed [b, n+1] token shape: one compiled step.
-        inputs = StepInputs.from_requests(running, b, self.vocab,
-                                          [self.pend_n[r.id] for r in running], width=n + 1)
-        pend_n = np.ones((b,), np.int32)
-        slots = [None] * b
-        for r in running:
-            pend_n[r.slot], slots[r.slot] = self.pend_n[r.id], r
-        drafts = np.asarray(self.drafter.host_drafts(slots, n), np.int32)
-        vocab = self.vocab
-        if drafts.shape != (b, n) or (drafts < -1).any() or (drafts >= vocab).any():
-            raise ValueError(f"drafter.host_drafts: must be int32 [{b}, {n}] in -1..{vocab - 1} "
-                             f"(-1 = none); got shape {drafts.shape}, range "
-                             f"{drafts.min()}..{drafts.max()}")
-        return inputs, pend_n, drafts
-
-    def step(self, cache, running, scan_len):
-        """Draft + verify in one jit over the runner's `cache` (donated) → (DecodeOutput,
-        the new cache, offload counters or None). Per request in `running` order: 1 +
-        accepted tokens, their log-probs, the usable drafts (min(n, tokens left - 1)) and
-        how many of them were accepted. scan_len: the indexers' scan bucket, above every
-        request's last verified position (L + n), as the plain decode step scans."""
-        inputs, pend_n, host = self._inputs(running)
-        t0 = time.perf_counter()
-        tok, logp, acc, self.pend_h, drafts, cache = self._jit(
-            self.graphdef, self.state, dataclasses.replace(cache, scan_len=scan_len),
-            self.pend_h, inputs, pend_n, host)
-        stats = cache.latent.stats if self.offload else None
-        tok, logp, acc, drafts, stats = jax.device_get((tok, logp, acc, drafts, stats))
-        seconds = time.perf_counter() - t0
-        self.metrics.steps += 1
-        out_tok, out_logp, out_drafted, out_acc, out_top = [], [], [], [], []
-        lp, ids, lps = logp
-        for r in running:
-            a, left = int(acc[r.slot]), r.max_new_tokens - len(r.tokens)
-            usable = min(self.n, left - 1)
-            self._count(a, usable)
-            out_drafted.append(usable)
-            out_acc.append(a)
-            if self.draft_log is not None:
-                self.draft_log.append((r.id, r.slot, len(r.tokens),
-                                       [int(t) for t in drafts[r.slot]]))
-            self.pend_n[r.id] = a + 1
-            out_tok.append(tuple(int(t) for t in tok[r.slot, :a + 1]))
-            out_logp.append(tuple(float(p) for p in lp[r.slot, :a + 1]))
-            out_top.append(tuple(alternatives(ids[r.slot, j], lps[r.slot, j], r.top_logprobs)
-                                 for j in range(a + 1)))
-        out = DecodeOutput(tuple(out_tok), tuple(out_logp), seconds, drafted=tuple(out_drafted),
-                           accepted=tuple(out_acc), wait_seconds=seconds, top=tuple(out_top))
-        return out, cache, stats
-
-    def _count(self, accepted: int, usable: int) -> None:
-        m = self.metrics
-        m.request_steps += 1
-        m.drafted += usable
-        m.accepted += accepted
-        m.emitted += accepted + 1
-
-    def forget(self, request_id: int) -> None:
-        """Drop one request's state (it finished or was aborted)."""
-        for d in (self.pend_n, self._fresh):
-            d.pop(request_id, None)
+    return mtp_rows(model, cache, jnp.asarray(hidden)[None],
+                    mtp_followers(prompt[:, 1:], lo, w), jnp.asarray([lo], jnp.int32),
+                    impl=impl, scan_len=prefill_scan(lo + w, cache.max_len))

@@ -14,9 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jlco.engine import penalize
 from jlco.engine.inputs import StepInputs
-from jlco.engine.sampling import sample
 from jlco.model import kv_cache
 from jlco.model.kv_cache import DecodeCache
 from jlco.offload.fetch import fetch_in_jit
@@ -25,6 +23,8 @@ from jlco.offload.hot_buffer import Resolution, resolve
 from jlco.offload.latent import OffloadLatent, table_groups
 from jlco.parallel import data as parallel_data
 from jlco.parallel import mesh as parallel_mesh
+from jlco.sampling import penalize
+from jlco.sampling.sample import sample
 
 
 def open_step(cache: DecodeCache, active: jax.Array):
@@ -206,20 +206,22 @@ class BoundStep:
 
 
 def jit_on_cache(fn, cache: DecodeCache, offload: bool, donate: int, outs: tuple[str, ...],
-                 roles: tuple[str, ...] = ()):
+                 roles: tuple[str, ...] = (), shardings=None):
     """jit `fn`, donating its cache argument (`donate`). Offloaded, every output's
     sharding is pinned ("cache" = `cache`'s own shardings, else the device): the host
     pool must come back in host memory (left to choose, jit declares device memory and
     fails). With data-parallel attention `fn` runs per data rank
     (`parallel_data.per_rank`; `roles` name its arguments, `outs` its outputs: "cache",
-    "batch" [b, ...] per slot, "rep" replicated, "sum" summed over ranks)."""
+    "batch" [b, ...] per slot, "rep" replicated, "sum" summed over ranks).
+    shardings: the cache's leaves' shardings when `cache` is a template of them
+    (default: read off `cache`)."""
     if roles:
         fn = parallel_data.per_rank(fn, roles, outs, kv_cache.data_specs,
                                     kv_cache.sum_rank_stats)
     if not offload:
         return jax.jit(fn, donate_argnums=donate)
     dev = parallel_mesh.replicated()
-    shardings = cache_shardings(cache)
+    shardings = cache_shardings(cache) if shardings is None else shardings
     shard = tuple(shardings if o == "cache" else dev for o in outs)
     return jax.jit(fn, donate_argnums=donate,
                    out_shardings=shard[0] if len(shard) == 1 else shard)
@@ -228,3 +230,4 @@ def jit_on_cache(fn, cache: DecodeCache, offload: bool, donate: int, outs: tuple
 def cache_shardings(cache: DecodeCache):
     """The shardings `cache`'s leaves live in, as the mesh names them."""
     return jax.tree.map(lambda x: parallel_mesh.on_mesh(x.sharding), cache)
+

@@ -93,16 +93,16 @@ def compile_all(runner, progress: Callable[[int, int, str], None] | None = None)
                             runner.offload and runner.warmup_queries > 0)
     s_q = 1 + cfg.engine.num_draft_tokens
     scans = decode_scans(runner.max_len, s_q)
-    total, t0, tok = len(pieces) + len(scans), time.perf_counter(), None
+    total, t0, last = len(pieces) + len(scans), time.perf_counter(), None
     # Largest first: a program's compile scratch and first run are the warm-up's peak
     # memory, lowest while few programs are resident yet (the process's VmHWM).
     for i, s in enumerate(reversed(scans)):
-        tok = compile_decode(runner, s)
+        last = compile_decode(runner, s)
         release_free_memory()   # each compile leaves ~200 MB free in malloc's arenas
         if progress is not None:
             progress(i + 1, total, f"decode scan {s or 'all'}")
-    if tok is not None:
-        runner.follower.warm_up(tok)   # async scheduling's token merge
+    if last is not None:
+        runner.stepper.warm_up_follow(last)   # async scheduling's input merge
     by_size = sorted(pieces, key=lambda p: (p.width, p.scan or runner.max_len, p.record),
                      reverse=True)
     for i, p in enumerate(by_size):
@@ -126,18 +126,11 @@ def compile_piece(runner, width: int, scan: int | None, record: bool) -> None:
 
 
 def compile_decode(runner, scan: int | None):
-    """Run a decode step at scan bucket `scan` with every slot empty → its output
-    tokens (None for a speculative step)."""
-    if runner.spec is not None:
-        _, runner.cache, _ = runner.spec.step(runner.cache, [], scan)
-        runner.spec.metrics.steps -= 1
-        return None
-    tok, _, cache = runner.decode_fn(runner.graphdef, runner.state,
-                                     dataclasses.replace(runner.cache, scan_len=scan),
-                                     runner.follower.inputs([]))
-    runner.cache = dataclasses.replace(cache, scan_len=None)
-    jax.block_until_ready(tok)
-    return tok
+    """Run a decode step at scan bucket `scan` with every slot empty → the pending step
+    (`jlco.engine.decode.PendingDecode`), finished."""
+    pending, runner.cache = runner.stepper.dispatch(runner.cache, [], scan=scan)
+    jax.block_until_ready(pending.arrays)
+    return pending
 
 
 def warm_up(engine, progress=None, longest: int = 48) -> dict:

@@ -161,6 +161,16 @@ class DeepseekV32(nnx.Module):
 
         The MTP block keeps its own latent/indexer rows in cache layer num_hidden_layers at
         the same positions (its lengths are implied by `start`, not cache.lengths)."""
+        x, cos, sin, positions, kernel_lengths = self.mtp_inputs(h, next_tokens, start)
+        with jax.named_scope("mtp"):
+            x, cache, _ = self.mtp.block(x, cos, sin, cache, self.cfg.num_hidden_layers,
+                                         positions, kernel_lengths, impl)
+        return self.mtp.shared_head(x), x, cache
+
+    def mtp_inputs(self, h: jax.Array, next_tokens: jax.Array, start: jax.Array):
+        """What the MTP block takes (`mtp_logits` before its block; shared with the
+        host-driven engine, which runs the block as phases) → (x [b,s,d], RoPE cos/sin,
+        positions [b,s] = start[b] + t, kernel lengths [b] = start + s)."""
         if self.mtp is None:
             raise ValueError("mtp_logits: model has no MTP layer (num_nextn_predict_layers=0)")
         mtp, s = self.mtp, h.shape[1]
@@ -168,7 +178,4 @@ class DeepseekV32(nnx.Module):
         cos, sin = rope_cos_sin(self.cfg, positions)
         e = mtp.enorm(self.embed(next_tokens))
         x = mtp.eh_proj(jnp.concatenate([e, mtp.hnorm(h)], axis=-1))
-        with jax.named_scope("mtp"):
-            x, cache, _ = mtp.block(x, cos, sin, cache, self.cfg.num_hidden_layers, positions,
-                                    start + s, impl)
-        return mtp.shared_head(x), x, cache
+        return x, cos, sin, positions, start + s

@@ -56,7 +56,7 @@ class DecodeCache:
     # int32 scalar: with a record narrower than the step's queries, the first query row
     # it keeps (a prefill's last piece records its last real queries only).
     record_from: jax.Array | None = None
-    # The engine's per-slot penalty tables (`jlco.engine.penalize.SeenTokens`, leaves
+    # The engine's per-slot penalty tables (`jlco.sampling.penalize.SeenTokens`, leaves
     # [b, ...]), carried from step to step with the cache; the model never reads them.
     seen: Any = None
 

@@ -47,6 +47,32 @@ def mtp_step(graphdef, state, cache, hidden, next_tokens, start, *, impl: str = 
     return model.mtp_logits(hidden, next_tokens, cache, start, impl=impl)
 
 
+@partial(jax.jit, static_argnames=("impl",), donate_argnames=("cache",))
+def _mtp_rows(graphdef, state, cache, hidden, next_tokens, start, *, impl):
+    """The MTP block over a chunk's positions: writes its cache rows only (the draft
+    logits are dead code here and compiled away)."""
+    return nnx.merge(graphdef, state).mtp_logits(hidden, next_tokens, cache, start, impl=impl)[2]
+
+
+def mtp_followers(after: np.ndarray, start: int, width: int) -> jax.Array:
+    """after [b, n]: the token that follows each position (column t follows position t)
+    → columns start .. start + width - 1 [b, width], 0 past the end."""
+    follow = np.zeros((after.shape[0], width), np.int32)
+    nxt = after[:, start:start + width]
+    follow[:, :nxt.shape[1]] = nxt
+    return jnp.asarray(follow)
+
+
+def mtp_rows(model, cache: DecodeCache, hidden, next_tokens, start, *, impl: str,
+             scan_len: int | None):
+    """The MTP block's cache rows for hidden [b, w, d] at positions start[b] + t with the
+    tokens that follow them [b, w], the indexers scanning `scan_len` → cache."""
+    graphdef, state = model
+    cache = dataclasses.replace(cache, scan_len=scan_len)
+    cache = _mtp_rows(graphdef, state, cache, hidden, next_tokens, start, impl=impl)
+    return dataclasses.replace(cache, scan_len=None)
+
+
 @jax.jit
 def final_logits(graphdef, state, h):
     """Final-normed hidden states [..., d] → LM-head logits [..., V] f32."""
@@ -54,7 +80,8 @@ def final_logits(graphdef, state, h):
 
 
 def prefill(model, cache: DecodeCache, tokens, prompt_lens=None, *, chunk: int,
-            impl: str = "auto", scan_len: int | None | str = "auto", keep_hidden: bool = False):
+            impl: str = "auto", scan_len: int | None | str = "auto", keep_hidden: bool = False,
+            mtp_next: np.ndarray | None = None):
     """Append prompts to the cache in chunks of `chunk` tokens.
 
     model: a DeepseekV32 or its (graphdef, state) from `split`. tokens [b, L] (int,
@@ -64,6 +91,11 @@ def prefill(model, cache: DecodeCache, tokens, prompt_lens=None, *, chunk: int,
     every chunk with (the engine's warm-up compiles each shape on an empty cache).
     → (logits [b, V] at each request's last prompt token, its hidden [b, d], cache),
     and with `keep_hidden` the last chunk's hidden states [b, chunk, d] too.
+    mtp_next [b, <= L] (speculative decoding with the MTP layer): the token that follows
+    each prompt position (column t follows tokens[:, t]); after each chunk the MTP block
+    runs over the same positions (`mtp_rows`), so its cache layer covers the prompt. The
+    last position's follower is the first generated token: the first speculative step
+    writes that row.
     """
     graphdef, state = split(model) if isinstance(model, DeepseekV32) else model
     tokens = np.asarray(tokens, np.int32)
@@ -94,6 +126,10 @@ def prefill(model, cache: DecodeCache, tokens, prompt_lens=None, *, chunk: int,
         cache = dataclasses.replace(cache, scan_len=scan)
         h, h_all, cache = _prefill_chunk(graphdef, state, cache, jnp.asarray(piece),
                                          jnp.asarray(n_new), impl=impl)
+        if mtp_next is not None:
+            cache = mtp_rows((graphdef, state), cache, h_all,
+                             mtp_followers(np.asarray(mtp_next), start, chunk),
+                             jnp.asarray(cached - n_new), impl=impl, scan_len=scan)
         last_h = h if last_h is None else jnp.where(jnp.asarray(n_new > 0)[:, None], h, last_h)
     logits = final_logits(graphdef, state, last_h)
     return (logits, last_h, cache, h_all) if keep_hidden else (logits, last_h, cache)

@@ -60,7 +60,9 @@ class HostFetcher:
     Owns the gather threads, not the pool."""
 
     def __init__(self, pool: HostLatentPool, chunk_rows: int = 0, threads: int = 1,
-                 device: jax.Device | None = None):
+                 device: jax.Device | jax.sharding.Sharding | None = None):
+        """device: where the fetched rows go (a device, or the hot buffer's sharding on a
+        mesh; default the first device)."""
         if not isinstance(chunk_rows, int) or chunk_rows < 0:
             raise ValueError(f"HostFetcher: chunk_rows={chunk_rows!r} is invalid: allowed an "
                              "integer >= 0 (0 = one transfer)")

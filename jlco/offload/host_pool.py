@@ -94,7 +94,11 @@ class HostLatentPool:
 
     def __init__(self, num_layers: int, num_pages: int, page_size: int, row_bytes: int,
                  storage: str = "pinned_host", storage_path: str | None = None,
-                 device: jax.Device | None = None):
+                 device: jax.Device | None = None, process_memory: bool = False):
+        """process_memory: keep the rows in this process's memory as one numpy array
+        (written by a background thread, as "file" is) instead of a jax array in
+        `storage` memory of `device`: the host-driven path on a mesh, whose rows reach
+        every device from one host copy rather than a copy in each device's memory."""
         for name, v in (("num_layers", num_layers), ("num_pages", num_pages),
                         ("page_size", page_size), ("row_bytes", row_bytes)):
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
@@ -111,12 +115,16 @@ class HostLatentPool:
         self._pending: list[concurrent.futures.Future] = []
         self._zero_copy: bool | None = None
         shape = (self.num_rows, row_bytes)
-        if storage == "file":
-            if storage_path:   # validated at config load; created on first use
-                os.makedirs(storage_path, exist_ok=True)
-            fd, self._file = tempfile.mkstemp(prefix="jlco-latent-", suffix=".bin", dir=storage_path)
-            os.close(fd)
-            self._mm = np.memmap(self._file, np.uint8, "w+", shape=(num_layers, *shape))
+        if storage == "file" or process_memory:
+            if storage == "file":
+                if storage_path:   # validated at config load; created on first use
+                    os.makedirs(storage_path, exist_ok=True)
+                fd, self._file = tempfile.mkstemp(prefix="jlco-latent-", suffix=".bin",
+                                                  dir=storage_path)
+                os.close(fd)
+                self._mm = np.memmap(self._file, np.uint8, "w+", shape=(num_layers, *shape))
+            else:
+                self._mm = np.zeros((num_layers, *shape), np.uint8)
             self._io = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jlco-d2h")
             self._layers = None
         else:
@@ -137,8 +145,8 @@ class HostLatentPool:
         """The layer's host jax array, for the in-jit fetch (not for storage='file')."""
         self._check_layer(layer)
         if self._layers is None:
-            raise ValueError("HostLatentPool.array: storage='file' has no jax array; "
-                             "use view() (host-driven) or fetch via host callback")
+            raise ValueError("HostLatentPool.array: storage='file' (or process memory) has no "
+                             "jax array; use view() (host-driven) or fetch via host callback")
         return self._layers[layer]
 
     def set_array(self, layer: int, array: jax.Array) -> None:
@@ -220,10 +228,11 @@ class HostLatentPool:
         if self._layers is not None:
             self._layers = []
             return
-        if self._file is not None:
+        if hasattr(self, "_mm"):
             self.flush()
             self._io.shutdown(wait=True)
             del self._mm
+        if self._file is not None:
             os.unlink(self._file)
             self._file = None
 

@@ -77,15 +77,6 @@ def check_mesh(cfg: Config) -> None:
                          "same number of routed experts; allowed mesh.expert dividing "
                          f"{model.n_routed_experts}")
     check_batch(cfg.engine.max_batch_size, m.data)
-    if m.num_devices > 1 and cfg.engine.num_draft_tokens:
-        raise NotImplementedError(f"engine.num_draft_tokens={cfg.engine.num_draft_tokens} with "
-                                  "a mesh: speculative decoding is single-device for now")
-    host_driven = cfg.cache.fetch_path == "host_driven" or cfg.cache.storage == "file"
-    if m.num_devices > 1 and cfg.cache.offload and host_driven:
-        raise NotImplementedError(
-            f"cache.fetch_path={cfg.cache.fetch_path!r} / cache.storage={cfg.cache.storage!r} "
-            "with a mesh: the host-driven fetch path (and its 'file' pool) is single-device "
-            "for now; use cache.fetch_path='in_jit' with a host-memory pool")
 
 
 def check_batch(batch: int, ranks: int) -> None:

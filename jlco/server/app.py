@@ -14,8 +14,9 @@ check `Authorization: Bearer KEY` when the server has an API key. Streaming is S
 (`data: {json}` chunks, then `data: [DONE]`), the same text as the non-streamed response
 because both go through one `Detokenizer`. A client that disconnects aborts its request
 (its slot and pages come back at the engine's next step). Handlers ask the engine, never
-its scheduler: `check_request` (the engine's one check of a request's fields),
-`admission_status()` (health), and refusals by `RequestError.kind` (`loop.refusal`).
+its scheduler: `submit` / `claim` with one `SamplingParams` per choice (checked when made;
+the engine checks it against its vocabulary once, when it queues), `admission_status()`
+(health), and refusals by `RequestError.kind` (`loop.refusal`).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import generate_latest
 
 from jlco.engine.scheduler import RequestError
+from jlco.sampling.params import SamplingParams
 from jlco.server.loop import Delta, EngineLoop, Stream, refusal
 from jlco.server.metrics import ServerMetrics
 from jlco.server import schema
@@ -268,9 +270,8 @@ async def export_prefill(request: Request):
 
 
 async def _serve(request: Request, p: SamplingRequest, chat_text: str | None, *, chat: bool):
-    """A completion: prompt ids, the engine's one check of every field, then one engine
-    request per prompt and per `n` queued (or an imported prefill claimed) and their
-    tokens streamed or returned whole."""
+    """A completion: prompt ids, then one engine request per prompt and per `n` queued
+    (or an imported prefill claimed) and their tokens streamed or returned whole."""
     state = _state(request)
     why = state.not_ready()
     if why:
@@ -300,7 +301,8 @@ async def _serve(request: Request, p: SamplingRequest, chat_text: str | None, *,
 
 async def _queue(request: Request, state: ServerState, p: SamplingRequest, ids: list[int],
                  text: str | None, j: int, index: int) -> Choice:
-    """Check and queue choice `index` (the j-th of its prompt) → its Choice."""
+    """Queue choice `index` (the j-th of its prompt) with its own SamplingParams → its
+    Choice; a bad field is a 400 naming it."""
     codec = state.codec
     drop = p.echo and p.max_tokens == 0
     max_new = 1 if drop else _max_new_tokens(state.max_context_len, p, ids)
@@ -311,16 +313,13 @@ async def _queue(request: Request, state: ServerState, p: SamplingRequest, ids: 
             stops.add(codec.eos_token_id)
     seed = p.seed + j if p.seed is not None else state._rng.randrange(2 ** 32)
     constraint = None if p.structured is None else await _constraint(state, p.structured)
-    sampling = dict(constraint=constraint, temperature=p.temperature, seed=seed % 2 ** 32,
-                    stop_token_ids=sorted(stops), top_p=p.top_p, top_k=p.top_k,
-                    prompt_logprobs=(p.logprobs or 0) if p.echo else None,
-                    top_logprobs=p.logprobs or 0, penalties=p.penalties, min_p=p.min_p)
     try:
-        state.engine.check_request(ids, max_new, **sampling)
+        params = p.params(seed=seed % 2 ** 32, stop_token_ids=sorted(stops),
+                          constraint=constraint)
     except RequestError as err:
         raise refusal(err) from None
     stream = Stream(asyncio.get_running_loop(), len(ids))
-    req = await asyncio.wrap_future(_start(state, stream, p.prefill_id, ids, max_new, sampling))
+    req = await asyncio.wrap_future(_start(state, stream, p.prefill_id, ids, max_new, params))
     metrics = request.app.state.metrics
     metrics.prompt_tokens.inc(len(ids))
     detok = Detokenizer(codec, p.stop, include_stop=p.include_stop_str_in_output,
@@ -386,13 +385,14 @@ async def _constraint(state: ServerState, spec: GrammarSpec):
 
 
 def _start(state: ServerState, stream: Stream, prefill_id: int | None, ids: list[int],
-           max_new: int, sampling: dict) -> concurrent.futures.Future:
-    """Queue the request, or claim the imported prefill `prefill_id` → a future of it."""
+           max_new: int, params: SamplingParams) -> concurrent.futures.Future:
+    """Queue the request, or claim the imported prefill `prefill_id` → a future of it
+    (a RequestError from the engine's check is its `refusal`)."""
     if prefill_id is None:
-        return state.loop.submit(stream, ids, max_new, **sampling)
+        return state.loop.submit(stream, ids, max_new, params)
 
     def claim(engine):
-        req = engine.claim(prefill_id, ids, max_new, **sampling)
+        req = engine.claim(prefill_id, ids, max_new, params)
         state.loop.attach(stream, req)
         return req
     return state.loop.call(claim)

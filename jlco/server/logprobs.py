@@ -4,7 +4,7 @@ prompt position when the request echoes its prompt).
 
 Values are log-probs of the distribution a token was sampled from before temperature
 and the filters: the model's logits after the request's penalties and logit_bias
-(`jlco.engine.penalize`), untempered and unfiltered, their log-softmax. Without
+(`jlco.sampling.penalize`), untempered and unfiltered, their log-softmax. Without
 penalties this is vLLM's `logprobs_mode` "raw_logprobs", what an evaluator compares with
 another engine; vLLM's "processed_logprobs" would also temper and filter. Completions use the legacy shape (`tokens`, `token_logprobs`,
 `top_logprobs` as {token: log-prob}, `text_offset`; with `echo` the prompt comes first,
@@ -63,7 +63,7 @@ class CompletionLogprobs:
     def generated(self, req, start: int, ids) -> dict:
         """Entries of generated tokens start .. start + len(ids) - 1."""
         end = start + len(ids)
-        tops = req.top_out[start:end] if req.top_logprobs else [[]] * len(ids)
+        tops = req.top_out[start:end] if req.params.top_logprobs else [[]] * len(ids)
         return self.part(ids, req.logprobs[start:end], tops)
 
 

@@ -20,9 +20,10 @@ import queue
 import threading
 import time
 import traceback
-from typing import Any, Callable
+from typing import Callable
 
 from jlco.engine.scheduler import Request, RequestError
+from jlco.sampling.params import SamplingParams
 from jlco.server.protocol import ApiError
 
 log = logging.getLogger("jlco.serve")
@@ -96,6 +97,41 @@ def _prefix_stats(engine) -> dict | None:
     return None if stats is None else stats()
 
 
+# ---- what the asyncio side asks of the engine thread (typed commands) --------------------
+@dataclasses.dataclass(frozen=True)
+class Submit:
+    """Queue a request; `fut` gets the Request or an ApiError."""
+    fut: concurrent.futures.Future
+    stream: "Stream"
+    prompt: list
+    max_new_tokens: int
+    params: SamplingParams
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """Run fn(engine) between steps; `fut` gets its result or an ApiError."""
+    fut: concurrent.futures.Future
+    fn: Callable
+
+
+@dataclasses.dataclass(frozen=True)
+class Finish:
+    """End a stream's request early ("abort" or "stop")."""
+    stream: "Stream"
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class AbortAll:
+    """Abort every open stream's request (the drain's last word)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Wake:
+    """Nothing to do: wakes an idle engine thread so it sees the stop."""
+
+
 class EngineLoop:
     """Runs `engine` on its own thread. `max_waiting`: requests allowed in the waiting
     queue before submissions are refused with 429. `on_step(engine, seconds)`: called on
@@ -128,8 +164,8 @@ class EngineLoop:
         self._thread.start()
 
     # ---- called from the asyncio side -----------------------------------------------
-    def submit(self, stream: Stream, prompt: list[int], max_new_tokens: int, **sampling: Any
-               ) -> concurrent.futures.Future:
+    def submit(self, stream: Stream, prompt: list[int], max_new_tokens: int,
+               params: SamplingParams) -> concurrent.futures.Future:
         """Queue a request for the engine thread → a future resolved with the Request once
         it is queued, or with an ApiError (400 bad field, 429 queue full, 503 draining or
         broken)."""
@@ -140,7 +176,7 @@ class EngineLoop:
         elif self.draining:
             fut.set_exception(ApiError(503, "the server is shutting down"))
         else:
-            self._cmds.put(("submit", fut, stream, prompt, max_new_tokens, sampling))
+            self._cmds.put(Submit(fut, stream, prompt, max_new_tokens, params))
         return fut
 
     def call(self, fn: Callable) -> concurrent.futures.Future:
@@ -151,7 +187,7 @@ class EngineLoop:
         if self.broken or self.draining:
             fut.set_exception(ApiError(503, self.broken or "the server is shutting down"))
         else:
-            self._cmds.put(("call", fut, fn))
+            self._cmds.put(Call(fut, fn))
         return fut
 
     def attach(self, stream: Stream, req: Request) -> None:
@@ -162,7 +198,7 @@ class EngineLoop:
 
     def abort(self, stream: Stream, reason: str = "abort") -> None:
         """End a request early ("abort": client gone; "stop": a stop string matched)."""
-        self._cmds.put(("finish", stream, reason))
+        self._cmds.put(Finish(stream, reason))
 
     @property
     def num_streams(self) -> int:
@@ -182,9 +218,9 @@ class EngineLoop:
                     and self._thread.is_alive():
                 time.sleep(0.05)
             left = len(self._streams)
-            self._cmds.put(("abort_all",))
+            self._cmds.put(AbortAll())
             self._stop.set()
-            self._cmds.put(("wake",))
+            self._cmds.put(Wake())
             self._thread.join(timeout=max(5.0, grace_s))
             self._drained = DrainReport(running, left, grace_s, time.monotonic() - t0)
             return self._drained
@@ -244,12 +280,11 @@ class EngineLoop:
         except Exception as err:   # noqa: BLE001
             self._fail(err)
 
-    def _apply(self, cmd: tuple) -> None:
-        kind = cmd[0]
-        if kind == "call":     # run fn(engine) here → its result (or exception) in fut
-            _, fut, fn = cmd
+    def _apply(self, cmd) -> None:
+        if isinstance(cmd, Call):     # run fn(engine) here → its result (or exception)
+            fut = cmd.fut
             try:
-                result = fn(self.engine)
+                result = cmd.fn(self.engine)
                 # before the caller hears back: a scrape after it sees what fn changed
                 # (reset_prefix_cache, an import's prefix)
                 self.prefix_stats = _prefix_stats(self.engine)
@@ -263,29 +298,26 @@ class EngineLoop:
             except Exception as err:   # noqa: BLE001 - the caller gets a 500, we go on
                 log.error("engine call failed:\n%s", traceback.format_exc())
                 fut.set_exception(ApiError(500, f"{type(err).__name__}: {err}"))
-            return
-        if kind == "submit":
-            _, fut, stream, prompt, max_new, sampling = cmd
+        elif isinstance(cmd, Submit):
             if self.engine.admission_status().waiting >= self.max_waiting:
-                fut.set_exception(ApiError(429, f"the waiting queue is full "
-                                                f"(serve.max_queue={self.max_waiting}); "
-                                                "retry later"))
+                cmd.fut.set_exception(ApiError(429, f"the waiting queue is full "
+                                                    f"(serve.max_queue={self.max_waiting}); "
+                                                    "retry later"))
                 return
             try:
-                req = self.engine.submit(prompt, max_new, **sampling)
+                req = self.engine.submit(cmd.prompt, cmd.max_new_tokens, cmd.params)
             except RequestError as err:
-                fut.set_exception(refusal(err))
+                cmd.fut.set_exception(refusal(err))
                 return
-            stream.request = req
-            self._streams[req.id] = stream
-            fut.set_result(req)
-        elif kind == "finish":
-            _, stream, reason = cmd
-            req = stream.request
+            cmd.stream.request = req
+            self._streams[req.id] = cmd.stream
+            cmd.fut.set_result(req)
+        elif isinstance(cmd, Finish):
+            req = cmd.stream.request
             if req is not None and not req.done:
-                self.engine.finish(req.id, reason)
-                self._publish_one(req.id, stream)
-        elif kind == "abort_all":
+                self.engine.finish(req.id, cmd.reason)
+                self._publish_one(req.id, cmd.stream)
+        elif isinstance(cmd, AbortAll):
             for rid, stream in list(self._streams.items()):
                 if not stream.request.done:
                     self.engine.abort(rid)
@@ -304,8 +336,8 @@ class EngineLoop:
             if stream.t_first is None and n:
                 stream.t_first = time.monotonic()
             last = req.tokens[-1] if req.tokens else None
-            stop_tok = last if req.finish_reason == "stop" and last in req.stop_token_ids \
-                else None
+            stops = req.params.stop_token_ids
+            stop_tok = last if req.finish_reason == "stop" and last in stops else None
             stream.put(Delta(req.tokens[stream.sent:n], req.logprobs[stream.sent:n],
                              req.finish_reason if req.done else None, stop_tok))
             stream.sent = n

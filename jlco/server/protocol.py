@@ -16,13 +16,13 @@ import dataclasses
 import json
 from typing import Any
 
-from jlco.engine.penalties import Penalties
+from jlco.sampling.params import MAX_LOGPROBS, SamplingParams
+from jlco.sampling.penalties import Penalties
 from jlco.structured.grammar import GrammarSpec
 from jlco.structured.request import FieldError, read_structured
 from jlco.structured.tools import ToolRequest, read_tools
 
 DEFAULT_MAX_TOKENS = 16        # OpenAI's (and vLLM's) default for /v1/completions
-MAX_LOGPROBS = 20              # alternatives per token (OpenAI's cap)
 MAX_STOP_STRINGS = 16
 
 ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
@@ -60,14 +60,13 @@ _FREE_FIELDS = {"user", "request_id", "metadata", "store", "service_tier"}   # i
 @dataclasses.dataclass(frozen=True)
 class SamplingRequest:
     """One generation request (either endpoint), its HTTP side validated: fields known,
-    JSON types, OpenAI's names and defaults. The values the engine takes (temperature,
-    top_p, top_k, seed, token ids against the vocabulary, lengths) are checked once, by
-    the engine's own check (`Engine.check_request`), which the server calls before it
-    queues the request."""
+    JSON types, OpenAI's names and defaults. The sampling values are checked once, when
+    the server makes each choice's `SamplingParams` (`params`); token ids against the
+    vocabulary and the lengths by the engine when it queues the request."""
     prompt_text: str | None        # text to tokenize (None: prompt_ids given)
     prompt_ids: list[int] | None
     max_tokens: int | None         # None: up to the context limit
-    temperature: Any               # as sent (default 1.0): the engine checks it
+    temperature: Any               # as sent (default 1.0): `params` checks it
     top_p: Any                     # as sent (default 1.0)
     top_k: Any                     # as sent, vLLM's -1 as 0 (= off)
     seed: Any                      # as sent; None: the server draws one
@@ -84,12 +83,22 @@ class SamplingRequest:
     echo: bool = False             # completions: the prompt (and its log-probs) returned too
     n: int = 1                     # choices per prompt
     more_prompts: tuple = ()       # completions: (text, ids) of prompts after the first
-    penalties: Penalties = Penalties()   # as sent (the engine checks the ranges)
+    penalties: Penalties = Penalties()   # as sent (`SamplingParams.check` checks them)
     min_p: Any = 0.0
     structured: GrammarSpec | None = None   # response_format / structured_outputs
     tools: ToolRequest | None = None        # chat: tools and tool_choice
     template_kwargs: dict = dataclasses.field(default_factory=dict)  # chat_template_kwargs
 
+
+    def params(self, *, seed: int, stop_token_ids, constraint=None) -> SamplingParams:
+        """One choice's sampling parameters (its seed, the stop ids with the tokenizer's,
+        a fresh constraint); a bad value raises RequestError naming the field."""
+        return SamplingParams(
+            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+            min_p=self.min_p, seed=seed, stop_token_ids=tuple(stop_token_ids),
+            top_logprobs=self.logprobs or 0,
+            prompt_logprobs=(self.logprobs or 0) if self.echo else None,
+            penalties=self.penalties, constraint=constraint)
 
     @classmethod
     def plain(cls) -> "SamplingRequest":
@@ -172,7 +181,7 @@ def int_field(body: dict, name: str, default: Any, lo: int, hi: int | None = Non
 
 def number_field(body: dict, name: str, default: float) -> Any:
     """A number field as vLLM's pydantic models read it: null is the default, a boolean
-    or a string is not a number (its range is the engine's to check)."""
+    or a string is not a number (`SamplingParams` checks its range)."""
     v = body.get(name)
     if v is None:
         return default
@@ -203,9 +212,8 @@ def _common(body: dict, known: set[str]) -> dict:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise bad("model", "must be a string")
-    # The sampling values themselves are the engine's to check (`Engine.check_request`,
-    # called by the server before it queues): here only JSON's null and vLLM's top_k -1
-    # ("off", the engine's 0) become the engine's defaults.
+    # The sampling values themselves are checked by `SamplingParams` (`params`): here
+    # only JSON's null and vLLM's top_k -1 ("off", the engine's 0) become its defaults.
     temperature = _or_default(body.get("temperature"), 1.0)
     top_p = _or_default(body.get("top_p"), 1.0)
     top_k = _whole(_or_default(body.get("top_k"), 0))

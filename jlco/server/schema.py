@@ -13,9 +13,9 @@ from typing import Any, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, create_model
 
-from jlco.engine.penalties import MAX_LOGIT_BIAS
-from jlco.server.protocol import (MAX_LOGPROBS, MAX_N, MAX_STOP_STRINGS, NOOP_FIELDS,
-                                  asks_nothing)
+from jlco.sampling.params import MAX_LOGPROBS
+from jlco.sampling.penalties import MAX_LOGIT_BIAS
+from jlco.server.protocol import MAX_N, MAX_STOP_STRINGS, NOOP_FIELDS, asks_nothing
 
 
 def _noop(name: str, allowed: tuple):

@@ -23,7 +23,7 @@ import llguidance
 import numpy as np
 from llguidance.gbnf_to_lark import GbnfToLarkError, gbnf_to_lark
 
-from jlco.engine.constraint import TokenConstraint
+from jlco.sampling.constraint import TokenConstraint
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
 _JSON_OPTIONS = {"whitespace_flexible": False}

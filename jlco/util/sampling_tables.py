@@ -1,5 +1,5 @@
 """The fixed widths of the per-slot sampling tables the engine keeps on the device
-(`jlco.engine.penalize.SeenTokens`), and their bytes, in one place: the engine allocates
+(`jlco.sampling.penalize.SeenTokens`), and their bytes, in one place: the engine allocates
 them, the request check enforces the widths, the planner counts the bytes per slot."""
 
 MAX_LOGIT_BIAS = 300    # biased tokens per request (OpenAI's documented cap)

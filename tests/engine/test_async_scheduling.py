@@ -12,9 +12,9 @@ import pytest
 from tests.support.engine_workload import BASE, make_prompts
 
 from jlco.engine import overlap
-from jlco.engine.constraint import TokenConstraint
 from jlco.engine.core import Engine
-from jlco.engine.penalties import Penalties
+from jlco.sampling.constraint import TokenConstraint
+from jlco.sampling.penalties import Penalties
 
 SYNC = {"engine__async_scheduling": False}
 
@@ -48,7 +48,7 @@ def test_tokens_equal_synchronous_steps(model, offload):
     cfg = BASE.replace(cache__offload=offload)
     sync, want = _workload(cfg.replace(**SYNC), model)
     eng, got = _workload(cfg, model)
-    assert eng.runner.follower.can_follow and not sync.runner.follower.can_follow
+    assert eng.step_kind.follow and not sync.step_kind.follow
     assert _outputs(got) == _outputs(want)
 
 
@@ -113,7 +113,7 @@ def test_constrained_batch_runs_synchronously(model):
     calls, dispatch = [], eng.runner.dispatch
 
     def spy(running, follow=None):
-        calls.append((any(r.constraint is not None for r in running), follow is not None))
+        calls.append((any(r.params.constraint is not None for r in running), follow is not None))
         return dispatch(running, follow)
 
     eng.runner.dispatch = spy

@@ -38,7 +38,7 @@ def test_long_prompt_spends_at_most_one_chunk_per_step(cfg, model):
         if before is not None:
             spent.append(before - after)
         # With async scheduling a step's tokens are emitted by the next call.
-        lag = steps == 1 and eng.runner.follower.can_follow
+        lag = steps == 1 and eng.step_kind.follow
         assert len(short.tokens) == n_short + (not lag), "the running request decoded every step"
     # 100 = 6 chunks of 16 + a tail piece of the page grid (16, the recorded one)
     assert steps >= 5 and max(spent) <= 2 * CHUNK, spent

@@ -1,4 +1,4 @@
-"""Constrained decoding in the engine (`jlco.engine.constraint`), with plain-Python
+"""Constrained decoding in the engine (`jlco.sampling.constraint`), with plain-Python
 constraints: the device applies each row's mask (a forced sequence comes out exactly,
 with log-prob 0; an allowed set is never left, sampled or greedy, plain, offloaded and
 speculative), the request stops when its constraint does, and a free request beside a
@@ -11,9 +11,9 @@ import pytest
 from flax import nnx
 
 from jlco.config import load_config
-from jlco.engine.constraint import TokenConstraint, apply_mask, host_masks
 from jlco.engine.core import Engine
 from jlco.model.decoder import DeepseekV32
+from jlco.sampling.constraint import TokenConstraint, apply_mask, host_masks
 
 CFG = load_config("configs/tiny.py").replace(engine__attention_impl="xla",
                                              engine__max_batch_size=2,

@@ -86,14 +86,13 @@ def test_multi_token_forward_equal(model, prompts):
 
 def test_fetch_path_choice_and_errors(tmp_path):
     cfg = BASE.replace(cache__offload=True)
-    assert engine_host.resolve_fetch_path(cfg) == "in_jit"
-    assert engine_host.resolve_fetch_path(cfg.replace(cache__storage="unpinned_host",
-                                                      cache__fetch_path="host_driven")) \
-        == "host_driven"
+    assert cfg.resolved_fetch_path() == "in_jit"
+    assert cfg.replace(cache__storage="unpinned_host",
+                       cache__fetch_path="host_driven").resolved_fetch_path() == "host_driven"
     file_cfg = cfg.replace(cache__storage="file", cache__storage_path=str(tmp_path))
-    assert engine_host.resolve_fetch_path(file_cfg) == "host_driven"
+    assert file_cfg.resolved_fetch_path() == "host_driven"
     with pytest.raises(NotImplementedError, match="fetch_path='in_jit'.*storage='file'"):
-        engine_host.resolve_fetch_path(file_cfg.replace(cache__fetch_path="in_jit"))
+        file_cfg.replace(cache__fetch_path="in_jit").resolved_fetch_path()
 
 
 def test_micro_batches_and_buckets():

@@ -1,4 +1,4 @@
-"""Penalties, logit bias, min_tokens and min-p on the device (`jlco.engine.penalize`),
+"""Penalties, logit bias, min_tokens and min-p on the device (`jlco.sampling.penalize`),
 checked against a numpy reference over `transformers`' own logits in float32: every
 greedy token is the reference's argmax after the request's rules and its log-prob the
 reference's log-softmax; a request without rules decodes as it does alone, bit for bit,
@@ -16,10 +16,10 @@ from tests.support.hf_reference import build_hf_model, hf_tensors, t2n
 from jlco.checkpoint.hf_names import model_from_hf
 from jlco.config import load_config
 from jlco.engine.core import Engine
-from jlco.engine.penalties import MAX_LOGIT_BIAS, Penalties
 from jlco.engine.scheduler import RequestError
 from jlco.engine.speculative import ListDrafter
 from jlco.model.decoder import DeepseekV32
+from jlco.sampling.penalties import MAX_LOGIT_BIAS, Penalties
 
 CFG = load_config("configs/tiny.py").replace(engine__attention_impl="xla",
                                              engine__max_batch_size=2,

@@ -34,7 +34,7 @@ def _run(cfg, model, prompts, new=5, temperature=0.0, seed=0):
     eng = Engine(cfg, model)
     out = []
     for p in prompts:
-        r = eng.generate([p], new, temperature, seed)[0]
+        r = eng.generate([p], new, temperature=temperature, seed=seed)[0]
         out.append((r.tokens, r.logprobs, r.cached_tokens))
     eng.check_no_leaks()
     if eng.scheduler.pages is not None:

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jlco.engine.sampling import sample_rows, sampling_logits
+from jlco.sampling.sample import sample_rows, sampling_logits
 
 V = 64
 # (temperature, top_p, top_k): no filter, top-p only, top-k only, k = V and k > V (filter

@@ -9,6 +9,7 @@ import pytest
 
 from jlco.engine.scheduler import RequestError, Scheduler, check_request
 from jlco.offload.pages import PageAllocator
+from jlco.sampling.params import SamplingParams
 
 VOCAB = 100
 
@@ -94,7 +95,7 @@ def test_pages_limit_admission_fifo():
 
 def test_finish_on_stop_token():
     s = make(slots=1)
-    r = s.add([1, 2], 10, stop_token_ids=[9])
+    r = s.add([1, 2], 10, SamplingParams(stop_token_ids=[9]))
     toks = iter([3, 4, 9, 5])
     drive(s, token=lambda req: next(toks))
     assert r.tokens == [3, 4, 9] and r.finish_reason == "stop" and r.status == "finished"
@@ -103,7 +104,7 @@ def test_finish_on_stop_token():
 
 def test_stop_token_on_prefill_token_skips_decode():
     s = make(slots=1)
-    r = s.add([1], 5, stop_token_ids=[7])
+    r = s.add([1], 5, SamplingParams(stop_token_ids=[7]))
     plan = s.schedule()
     s.append(r, 7, 0.0)
     assert r.done and r.finish_reason == "stop"
@@ -169,7 +170,7 @@ def test_bad_fields_name_the_field(kwargs, field):
     s = make()
     args = dict(prompt=[1, 2], max_new_tokens=2) | kwargs
     with pytest.raises(RequestError, match=field):
-        s.add(**args)
+        s.add(args.pop("prompt"), args.pop("max_new_tokens"), SamplingParams(**args))
     assert not s.has_work and s.requests == {}
 
 
@@ -198,14 +199,16 @@ def test_refusals_carry_their_field_and_kind():
 
 
 def test_check_request_is_the_check_add_applies():
-    f = check_request([1, 2], 3, 1, 5, [VOCAB - 1], top_p=1, top_k=10 * VOCAB,
-                      vocab_size=VOCAB, max_context_len=32)
-    assert (f.prompt, f.max_new_tokens, f.temperature, f.seed, f.stop_token_ids, f.top_p,
-            f.top_k) == ([1, 2], 3, 1.0, 5, (VOCAB - 1,), 1.0, VOCAB)
-    assert type(f.temperature) is float and type(f.top_p) is float
-    req = make().add([1, 2], 3, 1, 5, [VOCAB - 1], top_p=1, top_k=10 * VOCAB)
-    assert (req.prompt, req.temperature, req.stop_token_ids, req.top_k) == \
-        (f.prompt, f.temperature, f.stop_token_ids, f.top_k)
+    params = SamplingParams(temperature=1, seed=5, stop_token_ids=[VOCAB - 1], top_p=1,
+                            top_k=10 * VOCAB)
+    f = check_request([1, 2], 3, params, vocab_size=VOCAB, max_context_len=32)
+    p = f.params
+    assert (f.prompt, f.max_new_tokens, p.temperature, p.seed, p.stop_token_ids, p.top_p,
+            p.top_k) == ([1, 2], 3, 1.0, 5, (VOCAB - 1,), 1.0, VOCAB)
+    assert type(p.temperature) is float and type(p.top_p) is float
+    req = make().add([1, 2], 3, params)
+    assert (req.prompt, req.params.temperature, req.params.stop_token_ids, req.params.top_k) == \
+        (f.prompt, p.temperature, p.stop_token_ids, p.top_k)
 
 
 def test_status_copies_the_admission_counts():

@@ -16,9 +16,9 @@ from flax import nnx
 
 from jlco.config import load_config
 from jlco.engine.core import Engine
-from jlco.engine.sampling import rejection_accept
 from jlco.engine.speculative import ListDrafter
 from jlco.model.decoder import DeepseekV32
+from jlco.sampling.sample import rejection_accept
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 BASE = load_config(ROOT / "configs/tiny.py").replace(
@@ -122,18 +122,14 @@ def _run(cfg, model, prompts, which=None, *, temperature, top_p=1.0, top_k=0, dr
     eng = Engine(cfg, model, drafter=drafter)
     steps = []
     if eng.runner.spec is not None:
-        spec_step = eng.runner.spec.step
-
-        def recording(cache, running, scan_len):
-            result = spec_step(cache, running, scan_len)
-            out = result[0]
-            steps.append(([r.id for r in running], out.drafted, out.accepted,
+        def recording(rec):
+            out = rec.output
+            steps.append(([r.id for r in rec.running], out.drafted, out.accepted,
                           [len(t) for t in out.tokens]))
-            return result
-        eng.runner.spec.step = recording
+        eng.add_step_observer(recording)
     which = range(len(prompts)) if which is None else which
-    reqs = [eng.submit(prompts[i], NEW_TOKENS[i], temperature, SEEDS[i], top_p=top_p,
-                       top_k=top_k) for i in which]
+    reqs = [eng.submit(prompts[i], NEW_TOKENS[i], temperature=temperature, seed=SEEDS[i],
+                       top_p=top_p, top_k=top_k) for i in which]
     eng.run()
     assert [len(r.tokens) for r in reqs] == [NEW_TOKENS[i] for i in which]
     eng.check_no_leaks()

@@ -5,7 +5,6 @@ its jitted step is called with `DecodeCache.scan_len` set, and the runner's host
 of each slot's length (`ModelRunner.slot_len`, what picks the bucket) stays equal to the
 cache's lengths after every step."""
 
-import numpy as np
 from tests.support.engine_workload import BASE, NEW_TOKENS, run_workload
 
 from jlco.engine.core import Engine
@@ -24,20 +23,13 @@ def test_spec_steps_scan_a_bucket_and_match_greedy(model, prompts):
                        cache__offload=True)
     scans, mirrors = [], []
     eng = Engine(cfg, model, drafter=ListDrafter(half_right))
-    run, spec = eng.runner, eng.runner.spec
-    jitted, dispatch = spec._jit, run.dispatch
+    spec = eng.runner.spec
 
-    def watched_jit(graphdef, state, cache, *args):
-        scans.append(cache.scan_len)
-        return jitted(graphdef, state, cache, *args)
+    def watch(rec):   # the host mirror against the lengths the step left on the device
+        scans.append(rec.scan)
+        mirrors.append([(m, int(rec.lengths[r.slot])) for r, m in zip(rec.running, rec.mirror)])
 
-    def watched_dispatch(running, follow=None):
-        out = dispatch(running, follow)
-        lengths = np.asarray(run.cache.lengths)
-        mirrors.append([(int(run.slot_len[r.slot]), int(lengths[r.slot])) for r in running])
-        return out
-
-    spec._jit, run.dispatch = watched_jit, watched_dispatch
+    eng.add_step_observer(watch)
     reqs = [eng.submit(p, n) for p, n in zip(prompts, NEW_TOKENS)]
     eng.run()
     assert [r.tokens for r in reqs] == truth

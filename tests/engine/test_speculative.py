@@ -67,7 +67,7 @@ def _run(cfg, model, prompts, temperature=0.0, **kw):
     if eng.runner.spec is not None:
         eng.runner.spec.draft_log = []
         eng.finished_rows = _keep_finished_rows(eng)
-    reqs = [eng.submit(p, n, temperature, seed=7) for p, n in zip(prompts, NEW_TOKENS)]
+    reqs = [eng.submit(p, n, temperature=temperature, seed=7) for p, n in zip(prompts, NEW_TOKENS)]
     eng.run()
     assert [r.status for r in reqs] == ["finished"] * len(reqs)
     assert [len(r.tokens) for r in reqs] == list(NEW_TOKENS)   # never more than asked
@@ -281,9 +281,19 @@ def test_errors_name_the_field(model):
         Engine(BASE.replace(engine__num_draft_tokens=1), no_mtp)
     with pytest.raises(ValueError, match="trace_path"):
         Engine(BASE.replace(engine__num_draft_tokens=1), model, trace_path="/tmp/x.trc")
-    with pytest.raises(NotImplementedError, match="fetch_path"):
-        Engine(BASE.replace(engine__num_draft_tokens=1, cache__offload=True,
-                            cache__fetch_path="host_driven"), model)
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_mtp_host_driven_exact(model, prompts, greedy, n):
+    """The host-driven fetch path (every attention block, the MTP block's included, as
+    phases with the host fetching misses) speculates with MTP drafts: greedy's tokens."""
+    cfg = BASE.replace(engine__num_draft_tokens=n, cache__offload=True,
+                       cache__storage="unpinned_host")
+    jit_eng, _, _ = _run(cfg, model, prompts)
+    eng, toks, logps = _run(cfg.replace(cache__fetch_path="host_driven"), model, prompts)
+    assert eng.runner.host is not None and jit_eng.runner.host is None
+    _same_as(greedy, toks, logps)
+    assert eng.runner.spec.draft_log == jit_eng.runner.spec.draft_log   # the same drafts
 
 
 def test_generate_cli_with_drafts(prompts, greedy):

@@ -96,8 +96,8 @@ _SCRIPT = textwrap.dedent("""
     from jax.sharding import PartitionSpec
     from tests.support.engine_workload import BASE, make_model, make_prompts
     from jlco.engine.core import Engine
-    from jlco.engine.penalties import Penalties
     from jlco.parallel.mesh import check_mesh, make_mesh, shard_model
+    from jlco.sampling.penalties import Penalties
 
     RULES = Penalties(presence=0.5, frequency=0.3, repetition=1.3, min_tokens=2,
                       logit_bias=((7, 2.0), (3, 1.5)))
@@ -130,7 +130,9 @@ _SCRIPT = textwrap.dedent("""
 
     def locality(eng):
         # Every rank's block of the layer-0 host pool holds rows only in the pages of
-        # the requests pinned to that rank, and all of their written rows.
+        # the requests pinned to that rank, and all of their written rows (read with
+        # no step in flight: async scheduling queues one behind every engine step).
+        eng.drain()
         lat = eng.runner.cache.latent
         host = lat.host[0]
         per_rank = host.shape[0] // 2

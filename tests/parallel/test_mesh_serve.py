@@ -75,6 +75,30 @@ def test_server_spreads_requests_over_data_ranks():
         assert srv.stop() == 0, srv.stderr[-3000:]
 
 
+@pytest.mark.slow
+def test_128k_config_serves_on_an_expert_mesh_with_mtp_offload_and_overlap():
+    """The README's deployment config (offload, one MTP draft) on `--mesh expert=2` (two
+    forced CPU devices, random weights): it starts, its banner names the step it runs,
+    and it answers completions and chat."""
+    srv = ServerProcess("--config", str(ROOT / "configs" / "128k.py"), "--mesh", "expert=2",
+                        "--nowarmup", env={"XLA_FLAGS": "--xla_force_host_platform_device_count=2"})
+    try:
+        assert ("decode step: MTP speculative, 1 draft(s); fetch in_jit; mesh data=1 expert=2 "
+                "tensor=1; async") in srv.stderr, srv.stderr[-3000:]
+        with httpx.Client(base_url=srv.url, timeout=600) as c:
+            r = c.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 6,
+                                                 "temperature": 0, "ignore_eos": True})
+            assert r.status_code == 200, r.text
+            assert r.json()["usage"]["completion_tokens"] == 6
+            r = c.post("/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5,
+                "temperature": 0, "ignore_eos": True})
+            assert r.status_code == 200, r.text
+            assert r.json()["usage"]["completion_tokens"] == 5
+    finally:
+        assert srv.stop() == 0, srv.stderr[-3000:]
+
+
 def _generate(ckpt, prompt, devices: int, mesh: str | None):
     env = dict(__import__("os").environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
                JAX_PLATFORMS="cpu")

@@ -18,9 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jlco.engine import constraint, penalize
-
-TOP_LOGPROBS = 20   # most alternatives per position (OpenAI's and vLLM's cap)
+from jlco.sampling import constraint, penalize
+from jlco.sampling.params import MAX_LOGPROBS
 
 
 @partial(jax.tree_util.register_dataclass,
@@ -56,20 +55,19 @@ class SlotSampling:
     def from_requests(cls, requests: Sequence, batch: int, vocab: int,
                       slots: Sequence[int] | None = None,
                       counts: Sequence[int] | None = None) -> "SlotSampling":
-        """The fields of `requests` at their slots (`slots`, default each request's
-        `.slot`), counts default len(request.tokens); constrained requests' masks as
-        their constraints stand now."""
+        """The `params` (`SamplingParams`) of `requests` at their slots (`slots`,
+        default each request's `.slot`), counts default len(request.tokens); constrained
+        requests' masks as their constraints stand now."""
         slots = [r.slot for r in requests] if slots is None else slots
         out = cls.empty(batch, vocab)
-        held = [getattr(r, "constraint", None) for r in requests]
+        held = [r.params.constraint for r in requests]
         if any(c is not None for c in held):     # else empty()'s zero masks stand
             on, allowed = constraint.host_masks(held, batch, vocab, slots)
             out = dataclasses.replace(out, constrained=on, allowed=allowed)
         for i, (r, s) in enumerate(zip(requests, slots)):
-            out.temps[s], out.top_ps[s], out.top_ks[s] = r.temperature, r.top_p, r.top_k
-            out.seeds[s] = r.seed
-            out.tops[s] = getattr(r, "top_logprobs", 0)
-            out.min_ps[s] = getattr(r, "min_p", 0.0)
+            p = r.params
+            out.temps[s], out.top_ps[s], out.top_ks[s] = p.temperature, p.top_p, p.top_k
+            out.seeds[s], out.tops[s], out.min_ps[s] = p.seed, p.top_logprobs, p.min_p
             out.counts[s] = len(r.tokens) if counts is None else counts[i]
         return out
 
@@ -160,7 +158,7 @@ def sample_rows(logits, temps, keys, top_ps=None, top_ks=None, min_ps=None):
 def sample(logits, sampling: SlotSampling, seen=None):
     """logits [b, V] → (tokens [b], (log-probs [b], alternatives `top_alternatives`))
     with each slot's own fields, after its penalties (`seen`: the slots' penalty tables,
-    `jlco.engine.penalize`; None: none) and within its constraint's mask."""
+    `jlco.sampling.penalize`; None: none) and within its constraint's mask."""
     logits = constraint.apply_mask(logits, sampling.constrained, sampling.allowed)
     logits = penalize.apply(logits, seen, sampling.counts)
     tok, logp = sample_rows(logits, sampling.temps, sampling.keys(), sampling.top_ps,
@@ -169,11 +167,11 @@ def sample(logits, sampling: SlotSampling, seen=None):
 
 
 def top_alternatives(logits, tops):
-    """The TOP_LOGPROBS most likely ids and their log-probs [..., K] of logits [..., V]
+    """The MAX_LOGPROBS most likely ids and their log-probs [..., K] of logits [..., V]
     (the untempered distribution), computed only when some row wants any (tops [b] > 0;
     a `lax.cond`, so a batch without such requests pays nothing and none recompiles);
     zeros otherwise."""
-    k = min(TOP_LOGPROBS, logits.shape[-1])
+    k = min(MAX_LOGPROBS, logits.shape[-1])
 
     def top(x):
         lps, ids = jax.lax.top_k(jax.nn.log_softmax(x.astype(jnp.float32), axis=-1), k)
@@ -186,7 +184,7 @@ def top_alternatives(logits, tops):
 
 
 @partial(jax.jit, static_argnames=("k",))
-def position_logprobs(logits, next_tokens, *, k: int = TOP_LOGPROBS):
+def position_logprobs(logits, next_tokens, *, k: int = MAX_LOGPROBS):
     """logits [n, V] of n positions, next_tokens [n] → (each next token's log-prob [n],
     the k most likely ids [n, k] and their log-probs [n, k]): the untempered, unfiltered
     distribution, as `token_logprobs` (what vLLM's logprobs_mode "raw_logprobs" reports)."""
@@ -204,12 +202,12 @@ sample_first = jax.jit(sample)
 def first_token(logits, request) -> tuple[int, float, list[tuple[int, float]]]:
     """A request's token number 0 from the logits [1, V] at its last prompt position,
     after its penalties (the prompt's tokens for the repetition penalty, the bias,
-    min_tokens) → (token, log-prob, its `request.top_logprobs` alternatives)."""
+    min_tokens) → (token, log-prob, its `params.top_logprobs` alternatives)."""
     v = logits.shape[-1]
     seen = penalize.SeenTokens.of_request(v, request, ()) or penalize.no_penalties(v)
     sampling = SlotSampling.from_requests([request], 1, logits.shape[-1], slots=[0], counts=[0])
     tok, (logp, ids, lps) = sample_first(logits.astype(jnp.float32), sampling, seen)
-    k = request.top_logprobs
+    k = request.params.top_logprobs
     alts = [(int(i), float(v)) for i, v in zip(ids[0, :k], lps[0, :k])] if k else []
     return int(tok[0]), float(logp[0]), alts
 

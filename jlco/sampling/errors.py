@@ -1,6 +1,6 @@
 """How the engine refuses a request: `RequestError`, naming the field and the reason
-kind, shared by the scheduler's checks and the per-field checks beside it
-(`jlco.engine.penalties`)."""
+kind, shared by the sampling parameters' checks (`params`, `penalties`) and the engine's
+scheduler (which re-exports it). Plain Python, below the engine."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """A request's penalty and bias fields as the engine takes them (plain Python, checked
 with the rest of the request): OpenAI's presence and frequency penalties and
 logit_bias, vLLM's repetition_penalty and min_tokens. The device side (the per-slot
-tables and how the step applies them) is `jlco.engine.penalize`.
+tables and how the step applies them) is `jlco.sampling.penalize`.
 
 The ranges are vLLM's (`SamplingParams`): presence and frequency in [-2, 2], repetition
 in (0, 2], a bias in [-100, 100]. The tables have fixed widths so no request compiles
@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Iterable
 
-from jlco.engine.errors import RequestError
+from jlco.sampling.errors import RequestError
 from jlco.util.sampling_tables import MAX_HELD_STOPS, MAX_LOGIT_BIAS  # noqa: F401 (re-exported)
 
 
@@ -52,7 +52,7 @@ def check_penalties(p, *, vocab_size: int, max_new_tokens: int,
     if p is None:
         return Penalties()
     if not isinstance(p, Penalties):
-        raise RequestError(f"penalties={p!r}: allowed a jlco.engine.penalties.Penalties",
+        raise RequestError(f"penalties={p!r}: allowed a jlco.sampling.penalties.Penalties",
                            "penalties")
     presence = _number("presence_penalty", p.presence, -2.0, 2.0)
     frequency = _number("frequency_penalty", p.frequency, -2.0, 2.0)

@@ -1,4 +1,4 @@
-"""Penalties and biases inside the jitted step (`jlco.engine.penalties` holds the
+"""Penalties and biases inside the jitted step (`jlco.sampling.penalties` holds the
 request's fields): per batch slot, tables that live on the device beside the KV cache
 (`DecodeCache.seen`), seated at admission and counted by every step, so no token's
 penalty needs a host round trip and no request compiles anything.
@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jlco.engine.penalties import MAX_HELD_STOPS, MAX_LOGIT_BIAS, Penalties
+from jlco.sampling.penalties import MAX_HELD_STOPS, MAX_LOGIT_BIAS, Penalties
 
 
 @partial(jax.tree_util.register_dataclass,
@@ -74,9 +74,10 @@ class SeenTokens:
     @classmethod
     def of_request(cls, vocab: int, req, generated: Sequence[int]) -> "SeenTokens | None":
         """`row` of a scheduler Request that has penalties, None for one without."""
-        if not req.penalties.active:
+        p = req.params
+        if not p.penalties.active:
             return None
-        return cls.row(vocab, req.prompt, generated, req.penalties, req.stop_token_ids)
+        return cls.row(vocab, req.prompt, generated, p.penalties, p.stop_token_ids)
 
 
 @functools.lru_cache(maxsize=4)

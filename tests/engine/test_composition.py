@@ -1,0 +1,68 @@
+"""Every option of the decode step in combination gives the tokens of the plainest engine.
+
+{one device, mesh expert=2, mesh data=2} × {no drafts, one, two} × {offload off, in-jit
+fetch, host-driven fetch} × {async scheduling on, off}: the engine workload (greedy, the
+tiny f32 model with its MTP layer, requests joining as others leave) must emit exactly
+the tokens of one device, no drafts, offload off, synchronous steps, with log-probs
+within f32 summation-order noise (a mesh or a verify step of 1 + n rows may order some
+sums differently), every request finished and every page back. The default tier runs a
+pairwise-covering subset (`composition.PAIRWISE`); the slow tier all 54 combinations.
+Each group runs in a subprocess with 2 forced CPU devices (tests/support/composition.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from tests.support import composition
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+LOGPROB_ATOL = 1e-5   # f32 (tests/parallel/test_mesh.py)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return composition.run(composition.REFERENCE)
+
+
+def _run(combos) -> list[dict]:
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+           "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
+    r = subprocess.run([sys.executable, "-m", "tests.support.composition", json.dumps(combos)],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
+    assert r.returncode == 0, r.stderr[-4000:]
+    return [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+
+
+def _check(reference, combos) -> None:
+    got = _run(combos)
+    assert [tuple(g["combo"]) for g in got] == [tuple(c) for c in combos]
+    for g in got:
+        mesh, drafts, fetch, async_on = g["combo"]
+        where = g["kind"]
+        assert g["status"] == ["finished"] * len(g["tokens"]), where
+        assert g["pages_left"] == 0, where
+        assert g["tokens"] == reference["tokens"], where
+        for a, b in zip(g["logprobs"], reference["logprobs"]):
+            assert max(abs(x - y) for x, y in zip(a, b)) < LOGPROB_ATOL, where
+        assert g["follow"] == async_on, where
+        assert (f"fetch {'device' if fetch == 'off' else fetch}" in where
+                and ("MTP" in where) == (drafts > 0)), where
+
+
+@pytest.mark.parametrize("mesh", list(composition.MESHES))
+def test_pairwise_combinations_give_the_plain_tokens(reference, mesh):
+    _check(reference, [c for c in composition.PAIRWISE if c[0] == mesh])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh", list(composition.MESHES))
+@pytest.mark.parametrize("fetch", list(composition.FETCHES))
+def test_every_combination_gives_the_plain_tokens(reference, mesh, fetch):
+    _check(reference, [c for c in composition.FULL if c[0] == mesh and c[2] == fetch])
