@@ -148,17 +148,16 @@ class DecodeStepper:
         self.draft_log: list | None = None   # a list: (request id, slot, count, drafts)
         self._queued: list[PendingDecode] = []   # dispatched, not collected
         self.metrics = SpecMetrics() if self.n else None
-        # Where a following step's inputs live: where the step's outputs do (offloaded or
-        # on a mesh the outputs are pinned to the device / replicated over the mesh; else
-        # jit leaves them uncommitted, as host arrays are), so a step following another
-        # and a step taking host inputs run one compiled program.
-        pinned = self.offload or cfg.mesh.num_devices > 1
-        self._inputs_at = parallel_mesh.replicated() if self.kind.follow and pinned else None
-        self._merge = jax.jit(follow_inputs, out_shardings=self._inputs_at)
+        # With async scheduling every step's inputs pass through the merge (a step that
+        # follows nothing merges with `_idle`, all slots from the host), so a step
+        # following another and a step taking host inputs see inputs committed alike and
+        # run one compiled program; one small jit per step, no device_put of host arrays.
+        self._merge = jax.jit(follow_inputs, out_shardings=parallel_mesh.replicated())
         if not self.n:
             if drafter is not None:
                 raise ValueError("drafter: needs engine.num_draft_tokens >= 1 (it is 0)")
             self.drafter = None
+            self._idle = self._zeros((self.batch,), None)
             self._fn = host.decode_step if host is not None else steps.BoundStep(
                 functools.partial(steps.decode_step, impl=impl), graphdef, state,
                 lambda fn: steps.jit_on_cache(fn, cache, self.offload, 1,
@@ -171,7 +170,7 @@ class DecodeStepper:
         if type(self.drafter).host_drafts is not Drafter.host_drafts and self.kind.follow:
             self.kind = dataclasses.replace(self.kind, follow=False, why_not=(
                 "the drafter proposes on the host from each request's last tokens"))
-            self._inputs_at = None
+        self._idle = self._zeros((self.batch, self.n + 1), (self.batch,))
         if self.drafter.needs_mtp_cache and nnx.merge(graphdef, state).mtp is None:
             raise ValueError(f"engine.num_draft_tokens={self.n} with MTP drafts needs a model "
                              "with an MTP layer (model.num_nextn_predict_layers=1)")
@@ -186,6 +185,14 @@ class DecodeStepper:
             leaves, tree = jax.tree.flatten(steps.cache_shardings(cache))
             self._fn = _jitted_spec(self.drafter, self.n, impl, cfg.engine.spec_sampling,
                                     self.offload, (tuple(leaves), tree))
+
+    def _zeros(self, tok_shape, acc_shape):
+        """A step's (tokens, accepted, limit, counts) where no step ran: what `_merge`
+        reads for a step that follows nothing (placed as step outputs are)."""
+        b, at = self.batch, parallel_mesh.replicated()
+        z = functools.partial(jnp.zeros, dtype=jnp.int32)
+        return jax.device_put((z(tok_shape), None if acc_shape is None else z(acc_shape),
+                               z((b,)), z((b,))), at)
 
     @property
     def width(self) -> int:
@@ -228,12 +235,10 @@ class DecodeStepper:
             if a:
                 inputs.tokens[r.slot] = 0
         drafts = self._host_drafts(slots) if n else None
-        if self._inputs_at is not None:
-            inputs, pend_n = jax.device_put((inputs, pend_n), self._inputs_at)
-        if ahead.any():
-            prev_tok, _, prev_acc = follow.arrays[:3]
-            inputs, pend_n = self._merge(prev_tok, prev_acc, follow.limit, follow.counts,
-                                         inputs, pend_n, mask)
+        if self.kind.follow:
+            prev = (follow.arrays[0], follow.arrays[2], follow.limit, follow.counts) \
+                if ahead.any() else self._idle
+            inputs, pend_n = self._merge(*prev, inputs, pend_n, mask)
         return inputs, pend_n, drafts
 
     def lower(self, cache: DecodeCache, running: Sequence):
@@ -257,10 +262,11 @@ class DecodeStepper:
         """Compile the merge of a following step's inputs on `pending`'s outputs (so no
         request does)."""
         if self.kind.follow:
-            inputs, pend_n, _ = self.inputs([])
+            b = self.batch
+            inputs = StepInputs.from_requests([], b, self.vocab, width=self.width)
             jax.block_until_ready(self._merge(pending.arrays[0], pending.arrays[2],
-                                              pending.limit, pending.counts, inputs, pend_n,
-                                              np.zeros((self.batch,), bool)))
+                                              pending.limit, pending.counts, inputs,
+                                              np.ones((b,), np.int32), np.zeros((b,), bool)))
 
     def _host_drafts(self, slots) -> np.ndarray:
         b, n, vocab = self.batch, self.n, self.vocab
@@ -309,8 +315,7 @@ class DecodeStepper:
 
     def collect(self, pending: PendingDecode, live: Sequence):
         """Wait for a dispatched step → (DecodeOutput of the requests in `live` (those of
-        `pending` still running), accepted drafts per live request, offload counters or
-        None, top-k record or None)."""
+        `pending` still running), offload counters or None, top-k record or None)."""
         t_wait = time.perf_counter()
         jax.block_until_ready(pending.arrays)
         waited = time.perf_counter() - t_wait
@@ -320,22 +325,23 @@ class DecodeStepper:
             tok, lp, ids, lps = tok[:, None], lp[:, None], ids[:, None], lps[:, None]
             acc = np.zeros((self.batch,), np.int32)
         out_tok, out_lp, out_top, out_drafted, out_acc = [], [], [], [], []
+        tok_l, lp_l, acc_l = tok.tolist(), lp.tolist(), acc.tolist()
         for r in live:
-            a = int(acc[r.slot])
-            out_tok.append(tuple(int(t) for t in tok[r.slot, :a + 1]))
-            out_lp.append(tuple(float(p) for p in lp[r.slot, :a + 1]))
-            self.slot_len[r.slot] -= self.n - a
-            out_top.append(tuple(alternatives(ids[r.slot, j], lps[r.slot, j], r.params.top_logprobs)
-                                 for j in range(a + 1)))
+            s, k = r.slot, r.params.top_logprobs
+            a = acc_l[s]
+            out_tok.append(tuple(tok_l[s][:a + 1]))
+            out_lp.append(tuple(lp_l[s][:a + 1]))
+            out_top.append(tuple(alternatives(ids[s, j], lps[s, j], k) for j in range(a + 1))
+                           if k else ([],) * (a + 1))
             if self.n:
+                self.slot_len[s] -= self.n - a
                 usable = min(self.n, r.max_new_tokens - len(r.tokens) - 1)
                 self._count(a, usable)
                 out_drafted.append(usable)
                 out_acc.append(a)
                 self.pend_n[r.id] = a + 1
                 if self.draft_log is not None:
-                    self.draft_log.append((r.id, r.slot, len(r.tokens),
-                                           [int(t) for t in drafts[r.slot]]))
+                    self.draft_log.append((r.id, s, len(r.tokens), drafts[s].tolist()))
         if self.n:
             self.metrics.steps += 1
         out = DecodeOutput(tuple(out_tok), tuple(out_lp), seconds, drafted=tuple(out_drafted),
@@ -344,13 +350,12 @@ class DecodeStepper:
         if self.observers:
             later = [id(r) for p in self._queued for r in p.running]
             record = StepRecord(tuple(live), out, pending.scan, tuple(
-                tuple(int(t) for t in drafts[r.slot]) if self.n else () for r in live),
+                tuple(drafts[r.slot].tolist()) if self.n else () for r in live),
                 lengths, tuple(int(self.slot_len[r.slot]) - self.width * later.count(id(r))
                                for r in live))
             for observe in self.observers:
                 observe(record)
-        accepted = [int(acc[r.slot]) for r in live]
-        return out, accepted, stats, rec
+        return out, stats, rec
 
     def _count(self, accepted: int, usable: int) -> None:
         m = self.metrics

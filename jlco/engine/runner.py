@@ -278,7 +278,7 @@ class ModelRunner:
         still running, `overlap.live`), one sync for tokens, log-probs and the offload
         counters."""
         running = overlap.live(pending) if running is None else running
-        out, _, stats, rec = self.stepper.collect(pending, running)
+        out, stats, rec = self.stepper.collect(pending, running)
         if stats is not None:
             record_stats(self.metrics, stats)
         if self.trace is not None:
