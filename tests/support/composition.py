@@ -36,9 +36,12 @@ PAIRWISE = tuple((m, d, f, a) for m, d, f, a in (
 FULL = tuple(itertools.product(MESHES, DRAFTS, FETCHES, ASYNC))
 
 
-def config(mesh: str, drafts: int, fetch: str, async_on: bool):
+def config(mesh: str, drafts: int, fetch: str, async_on: bool, dtype: str = "float32"):
+    import dataclasses
+
     from tests.support.engine_workload import BASE
-    return BASE.replace(engine__num_draft_tokens=drafts, engine__async_scheduling=async_on,
+    return BASE.replace(model=dataclasses.replace(BASE.model, dtype=dtype),
+                        engine__num_draft_tokens=drafts, engine__async_scheduling=async_on,
                         **MESHES[mesh], **FETCHES[fetch])
 
 
