@@ -528,17 +528,19 @@ class EngineConfig:
                         otherwise (with a warning), "native" requires the kernel, "xla"
                         never uses it. XLA:CPU runs M = 2..8 at a third of its matvec
                         speed; the kernel streams each weight once for all rows.
-    async_scheduling:   queue each plain decode step behind the one still computing, its
-                        input tokens taken on the device from that step's output, and read
-                        the earlier step's tokens while the device works (vLLM's
-                        async scheduling, SGLang's overlap scheduler): the host's work per
-                        step (scheduling, inputs, dispatch, reading tokens back) leaves the
-                        step's critical path. The tokens are the same as with it off; a
-                        request that stops on a stop token or string costs its slot one
-                        discarded step. Speculative and host-driven steps, one mesh of
-                        several devices, and batches holding a request with a structured-
-                        output constraint (its next mask needs the token on the host) run
-                        synchronously either way.
+    async_scheduling:   queue each decode step behind the one still computing, its
+                        inputs (tokens, accepted drafts, limits, PRNG counts) taken on the
+                        device from that step's outputs, and read the earlier step's
+                        tokens while the device works (vLLM's async scheduling, SGLang's
+                        overlap scheduler): the host's work per step (scheduling, inputs,
+                        dispatch, reading tokens back) leaves the step's critical path.
+                        Every step kind follows (plain or speculative, in-jit or
+                        host-driven, one device or a mesh). The tokens are the same as
+                        with it off; a request that stops on a stop token or string costs
+                        its slot one discarded step. Batches holding a request with a
+                        structured-output constraint (its next mask needs the token on the
+                        host) wait for the step in flight; a drafter proposing on the host
+                        makes steps synchronous (the banner says so).
     """
     max_batch_size: int = 1
     max_context_len: int = 4096

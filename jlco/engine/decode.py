@@ -140,7 +140,8 @@ class DecodeStepper:
         drafter: with engine.num_draft_tokens > 0 (default the MTP layer)."""
         self.kind = step_kind(cfg)
         self.slot_len, self.max_len = slot_len, cfg.engine.max_context_len
-        self.n, self.batch, self.vocab = cfg.engine.num_draft_tokens, len(slot_len), cfg.model.vocab_size
+        self.n, self.batch = cfg.engine.num_draft_tokens, len(slot_len)
+        self.vocab = cfg.model.vocab_size
         self.graphdef, self.state, self.offload = graphdef, state, cfg.cache.offload
         self.observers: list[Callable[[StepRecord], None]] = []
         self.pend_n: dict[int, int] = {}     # per request: real pending tokens (n > 0)
@@ -241,18 +242,20 @@ class DecodeStepper:
             inputs, pend_n = self._merge(*prev, inputs, pend_n, mask)
         return inputs, pend_n, drafts
 
-    def lower(self, cache: DecodeCache, running: Sequence):
+    def lower(self, cache: DecodeCache, running: Sequence, scan="auto"):
         """The jitted step lowered with the arguments `dispatch` would pass for `running`
         (every slot active when `running` is empty), for cost analysis and HLO dumps; None
-        for the host-driven path (its step is many programs)."""
+        for the host-driven path (its step is many programs). scan: the indexer scan
+        bucket ("auto": the one `dispatch` picks)."""
         if not hasattr(self._fn, "lower"):
             return None
         inputs, pend_n, host = self.inputs(running)
         if not running:
             inputs = dataclasses.replace(inputs, active=np.ones((self.batch,), bool))
-        cache = dataclasses.replace(cache, scan_len=self.scan_for(running) if running else
-                                    scan_bucket(int(self.slot_len.max()) + self.width,
-                                                self.max_len))
+        if scan == "auto":
+            scan = self.scan_for(running) if running else scan_bucket(
+                int(self.slot_len.max()) + self.width, self.max_len)
+        cache = dataclasses.replace(cache, scan_len=scan)
         if self.n:
             return self._fn.lower(self.graphdef, self.state, cache, self.pend_h, inputs,
                                   pend_n, host)

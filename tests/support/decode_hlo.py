@@ -3,14 +3,10 @@ what XLA:CPU copies (or does not) in one step."""
 
 from __future__ import annotations
 
-import dataclasses
-
-import numpy as np
 from flax import nnx
 
 from jlco.config import load_config
 from jlco.engine.core import Engine
-from jlco.engine.inputs import StepInputs
 from jlco.model.decoder import DeepseekV32
 
 
@@ -21,7 +17,4 @@ def compiled_decode_step(batch: int, max_len: int):
                                                  engine__max_context_len=max_len)
     run = Engine(cfg, DeepseekV32(cfg.model, rngs=nnx.Rngs(0))).runner
     assert run.host is None and run.spec is None
-    args = (run.graphdef, run.state, dataclasses.replace(run.cache, scan_len=None),
-            dataclasses.replace(StepInputs.from_requests([], run.batch, cfg.model.vocab_size),
-                                active=np.ones((run.batch,), bool)))
-    return cfg, run, run.decode_fn.lower(*args).compile().as_text()
+    return cfg, run, run.stepper.lower(run.cache, [], scan=None).compile().as_text()
