@@ -17,8 +17,12 @@ of the k best, where XLA:CPU partially sorts an index array through value lookup
 Build: the kernel is C++ against the XLA FFI headers that jaxlib ships
 (`jax.ffi.include_dir()`), compiled on first use with the machine's C++ compiler
 (`$CXX`, else `c++`; `-O3 -march=native`) into `$XDG_CACHE_HOME/jlco/native` (or
-`~/.cache/jlco/native`), keyed by the source, the jaxlib version, the compiler and the
-CPU: a later process loads it at once. `load()` says whether the kernels are usable;
+`~/.cache/jlco/native`, created 0700), keyed by the source, the jaxlib version, the
+compiler (path, size, mtime: not run when the library is cached), the flags and the CPU:
+a later process loads it at once. A library (or directory) another user owns, or that
+group or others may write, is refused with a warning and XLA's ops run instead: a
+library planted there would run inside the engine. A compile is given up after
+COMPILE_TIMEOUT_S. `load()` says whether the kernels are usable;
 the engine's `engine.cpu_matmul` picks them ("auto": when they build, else XLA's dot with
 a warning; "native": required; "xla": never). They are registered for the CPU platform
 only and traced under `lax.platform_dependent`, so a program lowered for cuda or tpu
@@ -62,7 +66,8 @@ MAX_INDEXER_HEADS = 64   # 8 vectors of lanes on AVX2 (kernels.cc: ScoreFor)
 _SYMBOLS = {TARGETS[False]: "JlcoMatmulNn", TARGETS[True]: "JlcoMatmulNt", TOP_K: "JlcoTopK",
             INDEXER_SCORES: "JlcoIndexerScores"}
 DISABLE_ENV = "JLCO_NATIVE"      # "0": every kernel off (XLA's ops throughout)
-FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w")
+FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC")
+COMPILE_TIMEOUT_S = 300   # a compile that takes longer is given up (XLA's ops instead)
 
 
 class NativeUnavailable(RuntimeError):
@@ -94,25 +99,59 @@ def _cpu_signature() -> str:
     return sig + platform.processor()
 
 
+def _compiler_signature(cxx: str) -> str:
+    """What names the compiler without running it: its resolved path, size and mtime
+    (an upgrade or another $CXX changes it), so a cached library costs no subprocess."""
+    real = os.path.realpath(cxx)
+    st = os.stat(real)
+    return f"{real}:{st.st_size}:{st.st_mtime_ns}"
+
+
+def _private_dir(path: pathlib.Path) -> None:
+    """Create `path` (mode 0700) if missing; refuse one another user owns or that group
+    or others may write (a library planted there would run inside this process)."""
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    _check_owned(path, "directory")
+
+
+def _check_owned(path: pathlib.Path, what: str) -> None:
+    st = os.stat(path)
+    if hasattr(os, "getuid") and st.st_uid != os.getuid():
+        raise NativeUnavailable(f"refusing the {what} {path}: owned by uid {st.st_uid}, not "
+                                f"this user ({os.getuid()}); remove it or set "
+                                "$XDG_CACHE_HOME to a directory of your own")
+    if st.st_mode & 0o022:
+        raise NativeUnavailable(f"refusing the {what} {path}: group- or world-writable "
+                                f"(mode {st.st_mode & 0o777:o}); remove it or chmod go-w")
+
+
 def _build() -> pathlib.Path:
+    """The library for this source, jaxlib, compiler, flags and CPU: from the cache when
+    present (and owned by this user, not group/world-writable), else compiled into it."""
     cxx = _compiler()
-    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
     source = SOURCE.read_bytes()
     key = hashlib.sha256(b"\0".join([
-        source, importlib.metadata.version("jaxlib").encode(), version.encode(), " ".join(FLAGS).encode(),
-        _cpu_signature().encode()])).hexdigest()[:16]
+        source, importlib.metadata.version("jaxlib").encode(), _compiler_signature(cxx).encode(),
+        " ".join(FLAGS).encode(), _cpu_signature().encode()])).hexdigest()[:16]
     out = cache_dir() / f"kernels-{key}.so"
+    _private_dir(out.parent)
     if out.exists():
+        _check_owned(out, "library")
         return out
-    out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         lib = pathlib.Path(tmp) / out.name
         cmd = [cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", str(lib)]
         log.info("jlco.native: compiling %s (%s)", SOURCE.name, " ".join(cmd))
-        done = subprocess.run(cmd, capture_output=True, text=True)
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True,
+                                  timeout=COMPILE_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            raise NativeUnavailable(f"compiling {SOURCE.name} took over {COMPILE_TIMEOUT_S} s "
+                                    f"({' '.join(cmd)})") from None
         if done.returncode != 0:
             raise NativeUnavailable(f"compiling {SOURCE.name} failed ({' '.join(cmd)}): "
                                     f"{done.stderr.strip()[-2000:]}")
+        os.chmod(lib, 0o700)
         os.replace(lib, out)      # atomic: concurrent processes each build, one wins
     return out
 

@@ -35,6 +35,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -208,7 +209,18 @@ void ParallelFor(ffi::ThreadPool& pool, int64_t total, Piece piece) {
     pool.Schedule(std::move(task));
   }
   work();
-  while (progress->done.load(std::memory_order_acquire) < total) Pause();
+  // Every piece is claimed by now; wait for the ones helpers still run: spin briefly,
+  // then yield, then sleep with backoff (a descheduled helper needs this core).
+  for (int64_t spins = 0; progress->done.load(std::memory_order_acquire) < total; ++spins) {
+    if (spins < 1024) {
+      Pause();
+    } else if (spins < 4096) {
+      std::this_thread::yield();
+    } else {
+      std::this_thread::sleep_for(std::chrono::microseconds(
+          std::min<int64_t>(1000, (spins - 4096) / 8 + 1)));
+    }
+  }
 }
 
 ffi::Error Run(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
@@ -244,17 +256,18 @@ ffi::Error Run(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F
   return ffi::Error::Success();
 }
 
-// XLA:CPU's TopK order: the float's bits as a signed integer, negatives flipped.
-inline int32_t OrderKey(float v) {
-  int32_t bits;
+// XLA:CPU's TopK order: the float's bits as a signed integer, negatives flipped
+// (INT32_MAX - bits), computed on uint32_t so the wrap is defined (XLA does the same).
+inline uint32_t OrderKey(float v) {
+  uint32_t bits;
   std::memcpy(&bits, &v, sizeof(bits));
-  return bits < 0 ? std::numeric_limits<int32_t>::max() - bits : bits;
+  return (bits & 0x80000000u) ? 0x7FFFFFFFu - bits : bits;
 }
 
 // One word per element whose unsigned order is the top-k order: the float's order key
 // above, the position complemented below (equal values: the lower position ranks higher).
 inline uint64_t Rank(float v, int64_t i) {
-  const uint32_t key = static_cast<uint32_t>(OrderKey(v)) ^ 0x80000000u;
+  const uint32_t key = OrderKey(v) ^ 0x80000000u;
   return (static_cast<uint64_t>(key) << 32) | (0xFFFFFFFFu - static_cast<uint32_t>(i));
 }
 
@@ -342,7 +355,8 @@ void ScoreKeys(const Vec* __restrict qt, const Vec* __restrict wv, const void* k
         Vec tot = Vec{};
         for (int j = 0; j < HV; ++j) {
           const Vec a = acc[u][j];
-          tot += (a > 0.0f ? a : Vec{}) * wv[q * HV + j];
+          // ReLU as jnp.maximum(a, 0): NaN stays NaN, -0.0 becomes 0.
+          tot += ((a > 0.0f) | (a != a) ? a : Vec{}) * wv[q * HV + j];
         }
         out[q * n + t + u] = Sum(tot);
       }
