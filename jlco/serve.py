@@ -14,6 +14,11 @@ the largest batch with and without offload at the same device budget. SIGTERM or
 drains: the port stays open but new requests get 503, running ones finish within
 --grace_s, the rest are aborted, then the port closes, a `drained:` line says which
 happened, the host pool (its file too) is freed, exit 0; a second signal stops at once.
+The banner also names the decode step that runs (`decode step: MTP speculative, 1
+draft(s); fetch in_jit; mesh ...; async (...)`): drafts, the fetch path, the mesh and
+async scheduling compose in any combination; steps run synchronously only with
+engine.async_scheduling=false or a drafter that proposes on the host (the banner says
+which), and a batch holding a structured-output request waits for the step in flight.
 Bad flags or config values: one `jlco.serve: error: ...` line, exit 2. Routes and fields: jlco/server/app.py. One process
 only: --num_processes > 1 (or $JAX_NUM_PROCESSES) is refused, since a multi-host engine
 needs every process to run the engine loop in lockstep (`jlco.generate` runs multi-host).
