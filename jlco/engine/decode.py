@@ -233,8 +233,6 @@ class DecodeStepper:
         mask = np.zeros((b,), bool)
         for r, k, a in zip(running, counts, ahead):
             pend_n[r.slot], slots[r.slot], mask[r.slot] = k, r, a
-            if a:
-                inputs.tokens[r.slot] = 0
         drafts = self._host_drafts(slots) if n else None
         if self.kind.follow:
             prev = (follow.arrays[0], follow.arrays[2], follow.limit, follow.counts) \

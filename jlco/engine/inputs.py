@@ -9,7 +9,6 @@ from functools import partial
 from typing import Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jlco.sampling.sample import SlotSampling
@@ -28,34 +27,22 @@ class StepInputs:
 
     @classmethod
     def from_requests(cls, running: Sequence, batch: int, vocab: int,
-                      last: Sequence[int] | int = 1, width: int | None = None,
-                      ahead: Sequence[bool] | None = None) -> "StepInputs":
+                      last: Sequence[int] | int = 1, width: int | None = None) -> "StepInputs":
         """`running` at their slots; each slot's tokens are the request's last `last`
         (one count, or one per request) tokens, left-aligned in a [b, width] row
-        (default width: the largest count); vocab: the model's (constraint masks).
-        ahead (one per request, default none): the request's last token is still being
-        computed by a step in flight, so its row is left 0 for the device to fill
-        (`follow_tokens`) and its counts are one further on."""
+        (default width: the largest count); vocab: the model's (constraint masks). A
+        step queued behind another replaces the rows of the requests in flight on the
+        device (`jlco.engine.decode.follow_inputs`)."""
         last = [last] * len(running) if isinstance(last, int) else list(last)
-        ahead = [False] * len(running) if ahead is None else [bool(a) for a in ahead]
         width = max(last, default=1) if width is None else width
         tokens = np.zeros((batch, width), np.int32)
         active = np.zeros((batch,), bool)
         limit = np.zeros((batch,), np.int32)
-        for r, k, a in zip(running, last, ahead):
-            if not a:
-                tokens[r.slot, :k] = r.tokens[-k:]
+        for r, k in zip(running, last):
+            tokens[r.slot, :k] = r.tokens[-k:]
             active[r.slot] = True
-            limit[r.slot] = r.max_new_tokens - len(r.tokens) - a
-        counts = [len(r.tokens) + a for r, a in zip(running, ahead)]
-        return cls(tokens, active, SlotSampling.from_requests(running, batch, vocab,
-                                                              counts=counts), limit)
-
-
-def follow_tokens(prev: jax.Array, tokens: jax.Array, ahead: jax.Array) -> jax.Array:
-    """A step's input tokens [b, 1]: prev [b] (the tokens the step in flight samples)
-    where ahead [b], else tokens (the host's)."""
-    return jnp.where(ahead[:, None], prev[:, None].astype(tokens.dtype), tokens)
+            limit[r.slot] = r.max_new_tokens - len(r.tokens)
+        return cls(tokens, active, SlotSampling.from_requests(running, batch, vocab), limit)
 
 
 @dataclasses.dataclass(frozen=True)
