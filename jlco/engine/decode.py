@@ -5,7 +5,7 @@
   fetch    where a step's latent rows come from: "device" (offload off), "in_jit" (the
            host pool read inside the one jitted step) or "host_driven"
            (`jlco.engine.host_driven`: the layers run as phases, the host fetches misses
-           in between). Chosen by the config (`Config.fetch_path`), not here;
+           in between). Chosen by the config (`Config.resolved_fetch_path`), not here;
   mesh     expert-parallel MoE and data-parallel attention: every variant is bound to
            the mesh the same way (`steps.jit_on_cache`: per data rank, pinned outputs);
   follow   async scheduling (`jlco.engine.overlap`): a step is queued behind the one in

@@ -8,11 +8,10 @@ A new request is prefilled alone on a one-request device cache (`jlco.engine.pre
 as a PD-disaggregated decode node receives a finished prefill, `jlco.engine.transfer`),
 then installed in its slot: with offload its latent rows go to its host pages and the
 hot buffer is warmed with the top-k of the last prefill queries (ESS, the offload design
-this engine follows). Then `decode` runs one decode step for all slots
-(`jlco.engine.steps`): one jit with the in-jit fetch, or with
-`cache.fetch_path="host_driven"` (and storage "file") the same step with the layers run
-as phases of `jlco.engine.host_driven` and the host fetching misses in between; with
-`engine.num_draft_tokens` > 0 the speculative step of `jlco.engine.speculative`.
+this engine follows). Then `dispatch` / `collect` run one decode step for all slots
+through `jlco.engine.decode.DecodeStepper`, whose options compose: drafts
+(`engine.num_draft_tokens`), the fetch strategy (in-jit, or the host-driven phases of
+`jlco.engine.host_driven`, which owns its host pool), the mesh and async scheduling.
 Sizing and allocation of the cache live in `jlco.engine.allocation`.
 """
 
