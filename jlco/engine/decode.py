@@ -250,14 +250,16 @@ class DecodeStepper:
         inputs, pend_n, host = self.inputs(running)
         if not running:
             inputs = dataclasses.replace(inputs, active=np.ones((self.batch,), bool))
-        if scan == "auto":
-            scan = self.scan_for(running) if running else scan_bucket(
-                int(self.slot_len.max()) + self.width, self.max_len)
+        scan = self.scan_for(running) if scan == "auto" else scan
+        return self._fn.lower(*self._args(cache, scan, inputs, pend_n, host))
+
+    def _args(self, cache: DecodeCache, scan, inputs, pend_n, host) -> tuple:
+        """The step function's arguments (speculative steps also take the pending hidden
+        states, pending counts and host drafts)."""
         cache = dataclasses.replace(cache, scan_len=scan)
         if self.n:
-            return self._fn.lower(self.graphdef, self.state, cache, self.pend_h, inputs,
-                                  pend_n, host)
-        return self._fn.lower(self.graphdef, self.state, cache, inputs)
+            return self.graphdef, self.state, cache, self.pend_h, inputs, pend_n, host
+        return self.graphdef, self.state, cache, inputs
 
     def warm_up_follow(self, pending: PendingDecode) -> None:
         """Compile the merge of a following step's inputs on `pending`'s outputs (so no
@@ -279,9 +281,10 @@ class DecodeStepper:
         return drafts
 
     def scan_for(self, running: Sequence) -> int | None:
-        """The indexers' scan bucket of a step for `running`: above every request's last
-        position it computes (L + drafts)."""
-        furthest = max(int(self.slot_len[r.slot]) for r in running)
+        """The indexers' scan bucket of a step for `running` (none: every slot): above
+        every request's last position it computes (L + drafts)."""
+        furthest = max((int(self.slot_len[r.slot]) for r in running),
+                       default=int(self.slot_len.max()))
         return scan_bucket(furthest + self.width, self.max_len)
 
     def dispatch(self, cache: DecodeCache, running: Sequence,
@@ -293,12 +296,11 @@ class DecodeStepper:
         t0 = time.perf_counter()
         scan = self.scan_for(running) if scan == "auto" else scan
         inputs, pend_n, host = self.inputs(running, follow)
-        cache = dataclasses.replace(cache, scan_len=scan)
+        args = self._args(cache, scan, inputs, pend_n, host)
         if self.n:
-            tok, logp, acc, self.pend_h, drafts, cache = self._fn(
-                self.graphdef, self.state, cache, self.pend_h, inputs, pend_n, host)
+            tok, logp, acc, self.pend_h, drafts, cache = self._fn(*args)
         else:
-            tok, logp, cache = self._fn(self.graphdef, self.state, cache, inputs)
+            tok, logp, cache = self._fn(*args)
             acc = drafts = None   # one token per request: tok [b]
         cache = dataclasses.replace(cache, scan_len=None)
         # Copies: a prefill installed before `collect` donates the cache these live in.
