@@ -37,7 +37,7 @@ from jlco.sampling.params import SamplingParams
 from jlco.server.loop import Delta, EngineLoop, Stream, refusal
 from jlco.server.metrics import ServerMetrics
 from jlco.server import schema
-from jlco.server import responses_api
+from jlco.server import messages, responses_api
 from jlco.server.responses import Choice, Piece, sse, whole
 from jlco.server.protocol import (
     ApiError,
@@ -87,7 +87,8 @@ def create_app(state: ServerState) -> FastAPI:
     app.post("/v1/completions", openapi_extra=schema.route_extra(schema.CompletionBody))(
         completions)
     app.post("/v1/chat/completions", openapi_extra=schema.route_extra(schema.ChatBody))(chat)
-    responses_api.register(app, chat)      # POST /v1/responses, over chat
+    responses_api.register(app, chat)      # /v1/responses (stored: response_store), over chat
+    messages.register(app, chat)           # POST /v1/messages (Anthropic's), over chat
     app.post("/v1/internal/prefilled", openapi_extra=none)(import_prefilled)
     app.post("/v1/internal/prefill", openapi_extra=none)(export_prefill)
     schema.add_components(app)
@@ -204,7 +205,7 @@ async def reset_prefix_cache(request: Request):
     why = state.not_ready()
     if why:
         raise ApiError(503, why)
-    n = await asyncio.wrap_future(state.loop.call(lambda engine: engine.reset_prefix_cache()))
+    n = await asyncio.wrap_future(state.loop.reset_prefix_cache())
     return {"dropped_pages": n}
 
 

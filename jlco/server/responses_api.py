@@ -7,9 +7,11 @@ SSE chunks are reshaped (`responses_events`). One generation path: every check, 
 metric and abort of the chat route holds here too, and its refusals come back with the
 Responses field names.
 
-jlco keeps no server-side state: `store` is answered false and `previous_response_id`
-is refused (send the whole conversation in `input`). Fields jlco cannot honour are
-refused by name unless their value asks for nothing, as on the other routes.
+`store` (default true, as OpenAI's) keeps the response in the server's bounded
+in-memory store (`response_store`): `previous_response_id` puts its conversation in
+front of the new input, GET / DELETE /v1/responses/{id} read and drop it. Fields jlco
+cannot honour are refused by name unless their value asks for nothing, as on the other
+routes.
 """
 
 from __future__ import annotations
@@ -24,7 +26,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from jlco.server import schema
 from jlco.server.protocol import ApiError, asks_nothing, bad, parse_json
-from jlco.server.responses_events import EventStream, events, from_chat, new_id
+from jlco.server.response_store import ResponseStore, as_items
+from jlco.server.responses_events import (EventStream, envelope, events, from_chat, new_id,
+                                          status_of)
 
 # Responses fields the chat route reads under the same name and checks itself.
 PASSED = {"model", "temperature", "top_p", "parallel_tool_calls", "stream",
@@ -61,9 +65,10 @@ class ResponsesBody(BaseModel):
     stream: Optional[bool] = None
     stream_options: Optional[dict] = Field(None, description="{\"include_obfuscation\"}: "
                                            "ignored")
-    store: Optional[bool] = Field(None, description="answered false: nothing is stored")
-    previous_response_id: Optional[str] = Field(None, description="refused unless null: "
-                                                "send the whole conversation in input")
+    store: Optional[bool] = Field(None, description="default true: kept in the server's "
+                                  "bounded in-memory store (lost in a restart)")
+    previous_response_id: Optional[str] = Field(None, description="a stored response: its "
+                                                "conversation goes in front of input")
     text: Optional[dict] = Field(None, description="{\"format\": {\"type\": \"text\" | "
                                  "\"json_object\" | \"json_schema\", ...}}")
     reasoning: Optional[dict] = Field(None, description="{\"effort\"}: the chat's "
@@ -93,7 +98,10 @@ class ResponsesBody(BaseModel):
 
 def register(app: FastAPI, chat: Callable[[Request], Awaitable[Any]]) -> None:
     """Serve POST /v1/responses on `app` through `chat`, the chat completions handler
-    (passed in, not imported: the app module imports this one)."""
+    (passed in, not imported: the app module imports this one), and GET / DELETE
+    /v1/responses/{id} over the app's `ResponseStore` (`app.state.responses`)."""
+    app.state.responses = ResponseStore(registry=app.state.metrics.registry)
+
     async def responses(request: Request):
         return await create(request, chat)
     extra = schema.route_extra(ResponsesBody)
@@ -104,6 +112,20 @@ def register(app: FastAPI, chat: Callable[[Request], Awaitable[Any]]) -> None:
             "type": "object", "description": "one event: `event` its type, `data` its JSON",
             "properties": {"event": {"type": "string"}, "data": {"type": "string"}}}}}}
     app.post("/v1/responses", openapi_extra=extra)(responses)
+    none = schema.route_extra(None)
+    app.get("/v1/responses/{response_id}", openapi_extra=none)(retrieve)
+    app.delete("/v1/responses/{response_id}", openapi_extra=none)(delete)
+
+
+async def retrieve(request: Request, response_id: str):
+    """GET /v1/responses/{id}: the stored response object."""
+    return request.app.state.responses.get(response_id).response
+
+
+async def delete(request: Request, response_id: str):
+    """DELETE /v1/responses/{id}: drop a stored response."""
+    request.app.state.responses.delete(response_id)
+    return {"id": response_id, "object": "response.deleted", "deleted": True}
 
 
 def _check_fields(body: dict) -> None:
@@ -115,11 +137,8 @@ def _check_fields(body: dict) -> None:
                                 f"{allowed}, or leave it out)")
         elif name not in FIELDS:
             raise bad(name, "unknown field")
-    if body.get("previous_response_id") is not None:
-        raise bad("previous_response_id", "jlco keeps no stored responses: send the whole "
-                                          "conversation in `input`")
     if not isinstance(body.get("store"), (bool, type(None))):
-        raise bad("store", "allowed true or false (nothing is stored either way)")
+        raise bad("store", "allowed true or false (default true: kept in memory)")
     inc = body.get("include")
     if inc is not None and (not isinstance(inc, list) or any(
             not isinstance(i, str) or i not in INCLUDABLE for i in inc)):
@@ -289,7 +308,7 @@ def translate(body: dict) -> tuple[dict, dict, list[str]]:
 
 def _echo(body: dict) -> dict:
     """The request parameters a `response` object carries (OpenAI's defaults when left
-    out; store false: nothing is kept)."""
+    out)."""
     g = body.get
     return {"model": g("model"), "instructions": g("instructions"),
             "max_output_tokens": g("max_output_tokens"),
@@ -298,8 +317,9 @@ def _echo(body: dict) -> dict:
             "tools": g("tools") or [], "tool_choice": g("tool_choice") or "auto",
             "parallel_tool_calls": g("parallel_tool_calls") is not False,
             "text": g("text") or {"format": {"type": "text"}},
-            "reasoning": g("reasoning"), "store": False, "background": False,
-            "previous_response_id": None, "truncation": "disabled",
+            "reasoning": g("reasoning"), "store": g("store") is not False,
+            "background": False, "previous_response_id": g("previous_response_id"),
+            "truncation": "disabled",
             "metadata": g("metadata") or {}, "user": g("user"),
             "service_tier": g("service_tier"), "top_logprobs": g("top_logprobs"),
             "max_tool_calls": None, "prompt_cache_key": g("prompt_cache_key"),
@@ -312,16 +332,19 @@ RENAMES = (("response_format.json_schema", "text.format"), ("response_format", "
            ("reasoning_effort", "reasoning.effort"), ("prompt", "input"))
 
 
-def renamed(err: ApiError, origin: list[str]) -> ApiError:
-    """The chat route's refusal, naming the field as the Responses client sent it."""
+def renamed(err: ApiError, origin: list[str], renames=RENAMES,
+            whole: str = "input") -> ApiError:
+    """The chat route's refusal, naming the field as the client sent it: `origin` the
+    client's field behind each chat message, `renames` (chat name, client name) pairs,
+    `whole` the client's name for the message list."""
     p = err.param or ""
     new = None
     if p.startswith("messages[") and "]" in p:
         i = p[len("messages["):p.index("]")]
-        new = origin[int(i)] if i.isdigit() and int(i) < len(origin) else "input"
+        new = origin[int(i)] if i.isdigit() and int(i) < len(origin) else whole
     elif p == "messages":
-        new = "input"
-    for old, name in RENAMES:
+        new = whole
+    for old, name in renames:
         if new is None and (p == old or p.startswith(old + ".")):
             new = name + p[len(old):]
     if new is None:
@@ -330,7 +353,7 @@ def renamed(err: ApiError, origin: list[str]) -> ApiError:
     return ApiError(err.status, msg, new)
 
 
-def _inner(request: Request, body: bytes) -> Request:
+def inner_request(request: Request, body: bytes) -> Request:
     """A request like `request` whose body is `body` (the chat body): the chat handler
     reads it, and its disconnect checks still hear the client's connection."""
     sent = False
@@ -345,21 +368,41 @@ def _inner(request: Request, body: bytes) -> Request:
 
 
 async def create(request: Request, chat: Callable[[Request], Awaitable[Any]]):
-    """POST /v1/responses: translate, serve through the chat handler, reshape."""
+    """POST /v1/responses: translate (a stored conversation in front), serve through the
+    chat handler, reshape; kept in the store unless `store` is false."""
     body = parse_json(await request.body())
-    chat_body, echo, origin = translate(body)
+    store: ResponseStore = request.app.state.responses
+    full = body if body.get("previous_response_id") is None else store.chain(body)
+    chat_body, echo, origin = translate(full)
     echo["model"] = request.app.state.jlco.model_name
     try:
-        resp = await chat(_inner(request, json.dumps(chat_body).encode()))
+        resp = await chat(inner_request(request, json.dumps(chat_body).encode()))
     except ApiError as err:
         raise renamed(err, origin) from None
     rid, created = new_id("resp"), int(time.time())
+    keep = body.get("store") is not False
     if isinstance(resp, StreamingResponse):
-        return StreamingResponse(events(resp.body_iterator, EventStream(echo, rid, created)),
+        conv = EventStream(echo, rid, created)
+        return StreamingResponse(_stored(events(resp.body_iterator, conv), conv,
+                                         store if keep else None, full),
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
     if isinstance(resp, JSONResponse):
         if resp.status_code != 200:
             return resp
         resp = json.loads(resp.body)
-    return JSONResponse(from_chat(resp, echo, rid, created))
+    out = from_chat(resp, echo, rid, created)
+    if keep:
+        store.put(rid, out, as_items(full["input"]) + out["output"])
+    return JSONResponse(out)
+
+
+async def _stored(frames, conv: EventStream, store: ResponseStore | None, body: dict):
+    """The event stream; at its end, the final response kept in `store` (unless None,
+    or the stream failed or broke off)."""
+    async for frame in frames:
+        yield frame
+    if store is not None and conv.finish is not None and conv.error is None:
+        final = envelope(conv.echo, conv.rid, conv.created, status_of(conv.finish),
+                         conv.output, conv.use)
+        store.put(conv.rid, final, as_items(body["input"]) + final["output"])

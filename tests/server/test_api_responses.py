@@ -88,7 +88,7 @@ def test_items_become_chat_messages():
     assert chat["response_format"] == {"type": "json_schema", "json_schema": {
         "name": "x", "schema": {"type": "object"}}}
     assert chat["stream"] is True and chat["stream_options"] == {"include_usage": True}
-    assert echo["store"] is False and echo["tools"] == [TOOL]
+    assert echo["store"] is True and echo["tools"] == [TOOL]
 
 
 def test_a_string_input_is_one_user_message_and_unused_tool_fields_are_dropped():
@@ -100,7 +100,6 @@ def test_a_string_input_is_one_user_message_and_unused_tool_fields_are_dropped()
 
 
 @pytest.mark.parametrize("body, param", [
-    ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id"),
     ({"input": "x", "frobnicate": 1}, "frobnicate"),
     ({"input": []}, "input"),
     ({"input": [{"type": "message", "role": "robot", "content": "x"}]}, "input[0].role"),
@@ -127,8 +126,6 @@ def test_refusals_name_the_field(body, param):
         responses_api.translate(body)
     assert err.value.status == 400 and err.value.param == param
     assert err.value.message.startswith(param)
-    if param == "previous_response_id":
-        assert "send the whole conversation in `input`" in err.value.message
 
 
 def test_chat_refusals_come_back_with_the_responses_names():
@@ -307,7 +304,7 @@ CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "
 def test_a_string_input(client):
     r = client.responses.create(input="hello", **GREEDY)
     assert r.object == "response" and r.id.startswith("resp_")
-    assert r.model and r.store is False and r.tools == [] and r.max_output_tokens == 12
+    assert r.model and r.store is True and r.tools == [] and r.max_output_tokens == 12
     assert [o.type for o in r.output] == ["message"]
     msg = r.output[0]
     assert msg.role == "assistant" and msg.content[0].type == "output_text"
@@ -412,10 +409,10 @@ def test_a_forced_tool_call_is_a_function_call_item(client, stream):
 
 
 def test_refusals_through_the_client(client, server):
-    with pytest.raises(openai.BadRequestError) as err:
+    with pytest.raises(openai.NotFoundError) as err:      # stored responses: response_store
         client.responses.create(input="x", previous_response_id="resp_123")
     assert err.value.body["param"] == "previous_response_id"
-    assert "send the whole conversation in `input`" in err.value.body["message"]
+    assert "'resp_123' is not stored" in err.value.body["message"]
     with pytest.raises(openai.BadRequestError) as err:
         client.responses.create(input="x", extra_body={"frobnicate": 1})
     assert err.value.body["param"] == "frobnicate"
