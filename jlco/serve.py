@@ -19,21 +19,34 @@ draft(s); fetch in_jit; mesh ...; async (...)`): drafts, the fetch path, the mes
 async scheduling compose in any combination; steps run synchronously only with
 engine.async_scheduling=false or a drafter that proposes on the host (the banner says
 which), and a batch holding a structured-output request waits for the step in flight.
-Bad flags or config values: one `jlco.serve: error: ...` line, exit 2. Routes and fields: jlco/server/app.py. One process
-only: --num_processes > 1 (or $JAX_NUM_PROCESSES) is refused, since a multi-host engine
-needs every process to run the engine loop in lockstep (`jlco.generate` runs multi-host).
+Bad flags or config values: one `jlco.serve: error: ...` line, exit 2. Routes and fields:
+jlco/server/app.py.
+
+Several processes (hosts): every process runs the same command with
+--coordinator_address HOST:PORT --num_processes N --process_id I (or the JAX_*
+environment variables; --num_processes auto for SLURM, Open MPI, Cloud TPU, Kubernetes),
+and --mesh counts every process's devices. Process 0 serves HTTP (every route but PD
+import/export, which answer 501) and the others run its engine steps in lockstep
+(`jlco.server.lockstep`); they bind no port and need no tokenizer beyond the
+checkpoint's. A process that dies or stops beating for --peer_timeout_s ends the job:
+process 0's open requests get an error, /health turns 503, and every process exits 1
+with a line naming the process that failed. SIGTERM on process 0 drains and stops them
+all (exit 0); a follower's first SIGTERM only says it waits for process 0's stop.
 """
 
 from __future__ import annotations
 
 import logging as pylog
+import os
 import pathlib
+import signal
 import sys
 import threading
 
 from absl import app, flags, logging
 
 from jlco.parallel import distributed
+from jlco.server import lockstep
 from jlco.util import cli, compile_cache
 
 FLAGS = flags.FLAGS
@@ -75,7 +88,10 @@ def define_flags() -> None:
     flags.DEFINE_string("mesh", None, "device mesh, e.g. expert=4 (fields left out are 1; "
                         "default: the config's mesh section); data > 1: data-parallel "
                         "attention, the batch slots split over the data ranks")
-    distributed.define_flags()      # refused beyond one process (see main)
+    distributed.define_flags()
+    flags.DEFINE_float("peer_timeout_s", lockstep.DEFAULT_PEER_TIMEOUT_S, "several "
+                       "processes: a process whose heartbeat is this old (seconds) has "
+                       "failed, and the job ends", lower_bound=1.0)
 
 
 def _say(msg: str) -> None:
@@ -107,7 +123,6 @@ def prepare():
         raise ValueError(f"engine.max_context_len={base.engine.max_context_len} is invalid: "
                          f"allowed <= the model's max_position_embeddings ({mpe})")
     cfg = base.replace(model=choice.model, name=base.name)   # validates the joint config
-    load.checked_mesh(cfg)      # the device count must match, before any weight loads
     return cfg, choice, FLAGS.served_model_name or name
 
 
@@ -160,22 +175,14 @@ def memory_plan(cfg, weight_bytes: int) -> list[str]:
     return lines
 
 
-def build_engine(cfg, choice, state) -> None:
-    """Load weights, build the engine, warm it up and hand it to `state` (ready)."""
-    import jax
-
-    from jlco.engine.core import Engine
-    from jlco.launch import load
+def build_engine(cfg, choice, state, job=None) -> None:
+    """Load weights, build the engine, warm it up and hand it to `state` (ready); `job`
+    (a `lockstep.Job`) when other processes run the same steps."""
     from jlco.server.loop import EngineLoop
     from jlco.server.text import TextCodec
     state.loading = "loading the model"
-    mesh = load.checked_mesh(cfg)
-    cfg, model = load.load_sharded(choice, cfg, mesh, seed=FLAGS.seed,
-                                   verify=FLAGS.verify_checkpoint)
+    cfg, engine, mesh, weights = _engine(cfg, choice, quiet=False, state=state)
     mcfg = cfg.model
-    if mesh is not None:
-        _say(f"mesh: {dict(mesh.shape)} over {mesh.size} devices (routed experts split over "
-             "'expert')")
     if choice.checkpoint is not None:
         codec = TextCodec.from_checkpoint(choice.checkpoint)
         if codec is None:
@@ -184,21 +191,43 @@ def build_engine(cfg, choice, state) -> None:
         codec = TextCodec.byte_level(mcfg.vocab_size)
         _say("tokenizer: byte-level (256 byte tokens + <|endoftext|>) for the random model; "
              "chat template: \"role: content\" lines, then \"assistant: \"")
-    from flax import nnx
-    weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(model)))
-    for line in memory_plan(cfg, weights):
-        _say(line)
-    state.loading = "compiling (warm-up)"
-    with _mesh_context(mesh):
-        engine = Engine(cfg, model)
-        _say(engine.step_kind.describe())
-        _warm_up(engine, cfg, mcfg)
     state.codec, state.engine = codec, engine
     loop = EngineLoop(engine, max_waiting=cfg.serve.max_queue,
                       import_ttl_s=cfg.serve.import_ttl_s,
-                      on_step=state.on_step, mesh=mesh)
+                      on_step=state.on_step, mesh=mesh,
+                      leader=None if job is None else job.leader)
+    if job is not None:
+        job.attach(loop)
     loop.start()
     state.loop = loop
+
+
+def _engine(cfg, choice, *, quiet: bool, state=None):
+    """(cfg, engine, mesh, weight bytes): weights loaded into the mesh's shards, the engine
+    built and warmed up — the same on every process of a job (process 0 also prints the
+    banner's lines)."""
+    import jax
+    from flax import nnx
+
+    from jlco.engine.core import Engine
+    from jlco.launch import load
+    say = (lambda _msg: None) if quiet else _say
+    mesh = load.checked_mesh(cfg)
+    cfg, model = load.load_sharded(choice, cfg, mesh, seed=FLAGS.seed,
+                                   verify=FLAGS.verify_checkpoint)
+    if mesh is not None:
+        say(f"mesh: {dict(mesh.shape)} over {mesh.size} devices (routed experts split over "
+            "'expert')")
+    weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(model)))
+    for line in memory_plan(cfg, weights) if not quiet else ():
+        say(line)
+    if state is not None:
+        state.loading = "compiling (warm-up)"
+    with _mesh_context(mesh):
+        engine = Engine(cfg, model)
+        say(engine.step_kind.describe())
+        _warm_up(engine, say)
+    return cfg, engine, mesh, weights
 
 
 def _mesh_context(mesh):
@@ -208,16 +237,16 @@ def _mesh_context(mesh):
     return contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh)
 
 
-def _warm_up(engine, cfg, mcfg) -> None:
+def _warm_up(engine, say) -> None:
     """Compile every prefill and decode shape, then serve one small request (stderr
     shows progress and says how long: no request compiles after `ready:`)."""
     if FLAGS.warmup:
         def progress(done, total, what):
             if done % _SHAPES_PER_LINE == 0 or done == total:
-                _say(f"warm-up: {done}/{total} shapes compiled ({what})")
+                say(f"warm-up: {done}/{total} shapes compiled ({what})")
 
         w = engine.warm_up(progress)
-        _say(f"warm-up: {w['seconds']:.1f} s ({w['prefill_shapes']} prefill and "
+        say(f"warm-up: {w['seconds']:.1f} s ({w['prefill_shapes']} prefill and "
              f"{w['decode_shapes']} decode shapes compiled, or loaded from the compilation "
              "cache)")
 
@@ -231,14 +260,17 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)
     compile_cache.enable()
     with cli.errors_exit(PROG, ValueError, OSError, NotImplementedError):
-        asked = distributed.multi_process_asked(FLAGS.num_processes)
-        if asked is not None:
-            raise NotImplementedError(
-                f"{asked}: multi-host serving is "
-                "not built yet (every process would have to run the engine loop in "
-                "lockstep); serve from one process, with --mesh over its local devices")
-        distributed.resolve_from_flags(FLAGS)          # a malformed value is still an error
-        cfg, choice, name = prepare()
+        several = distributed.resolve_from_flags(FLAGS) is not None
+        cfg, choice, name = prepare()        # bad input fails before joining the job
+        info = distributed.initialize_from_flags(FLAGS) if several else None
+        from jlco.launch import load
+        load.checked_mesh(cfg)      # the device count must match, before any weight loads
+    job = None
+    if info is not None:
+        _say(f"distributed: {info.describe()}")
+        if not info.is_lead:
+            return _follow(cfg, choice, info)
+        job = _lead(info)
     import uvicorn
 
     from jlco.server.app import ServerState, create_app
@@ -247,19 +279,23 @@ def main(argv):
                         api_key=FLAGS.api_key, index_topk=cfg.model.index_topk,
                         tool_call_parser=FLAGS.tool_call_parser,
                         reasoning_parser=FLAGS.reasoning_parser)
+    state.job = job
     fastapi_app = create_app(state)
     state.on_step = fastapi_app.state.metrics.observe_step
     failure: list[BaseException] = []
 
     def load():
         try:
-            build_engine(cfg, choice, state)
+            build_engine(cfg, choice, state, job)
             _say(f"ready: http://{cfg.serve.host}:{server.port}/v1 serving {name!r} "
                  f"(batch {cfg.engine.max_batch_size}, context {cfg.engine.max_context_len}, "
                  f"offload {'on' if cfg.cache.offload else 'off'}"
                  f"{', API key required' if FLAGS.api_key else ''})")
         except BaseException as err:   # noqa: BLE001 - reported below, server stops
             failure.append(err)
+            if job is not None:
+                job.leader.stop(f"process 0 of {job.num_processes} failed: loading or "
+                                f"warming up: {type(err).__name__}: {cli.describe(err)}")
             server.should_exit = True
 
     server = _Server(uvicorn.Config(fastapi_app, host=cfg.serve.host, port=cfg.serve.port,
@@ -277,6 +313,8 @@ def main(argv):
     finally:
         if state.loop is not None:
             _say(state.loop.drain(FLAGS.grace_s).line())
+        if job is not None and not failure:
+            job.finish()           # the other processes stop too
         if state.engine is not None:
             state.engine.close()   # the host pool (a "file" pool deletes its file)
     if failure:
@@ -286,8 +324,84 @@ def main(argv):
         cli.fail(PROG, f"loading or warming up the model failed: {type(err).__name__}: "
                        f"{cli.describe(err)}", cli.FAILURE_EXIT)
     if server.started_ok is False:
+        if job is not None:
+            job.leader.stop(f"process 0 could not listen on {cfg.serve.host}:{cfg.serve.port}")
         cli.fail(PROG, f"could not listen on {cfg.serve.host}:{cfg.serve.port}", cli.FAILURE_EXIT)
+    if job is not None:
+        distributed.shutdown()     # every process leaves the job together
     _say("stopped")
+
+
+# ----------------------------------------------------------------------------- several processes
+
+
+def _lead(info):
+    """Process 0's `lockstep.Job`: turns out, beats in; a failure ends this process after
+    the linger (exit 1, one line naming the process that failed)."""
+    def exit_fn(line):
+        _say(f"{PROG}: error: {line}")
+        os._exit(cli.FAILURE_EXIT)     # a peer is gone: jax's shutdown barrier would hang
+
+    job = lockstep.Job(lockstep.KeyValueChannel(), info.process_count, FLAGS.peer_timeout_s,
+                       mark=lambda line: None, exit_fn=exit_fn)
+    job.start()
+    return job
+
+
+def _follow(cfg, choice, info) -> None:
+    """A process other than 0: the same engine as process 0's, run by its turns; no port,
+    no banner. Exit 0 after process 0's clean stop, 1 (one line) if the job failed."""
+    me = info.process_index
+    follower = lockstep.Follower(lockstep.KeyValueChannel(), me,
+                                 leader_timeout_s=FLAGS.peer_timeout_s)
+    follower.start_beating()
+    signals = []
+
+    def on_signal(sig, frame):
+        signals.append(sig)
+        if len(signals) > 1:
+            _say(f"{PROG}: process {me}: second signal: stopping now")
+            os._exit(128 + sig)
+        _say(f"{PROG}: process {me}: signal {sig}: waiting for process 0's stop (SIGTERM "
+             "process 0 to drain the job; again to stop this process now)")
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, on_signal)
+    engine = None
+    try:
+        cfg, engine, mesh, _ = _engine(cfg, choice, quiet=True)
+        follower.engine = engine
+        follower.grammar = _grammar_maker(choice, cfg)
+        follower.host_pool_bytes = lambda: lockstep.local_host_pool_bytes(engine, mesh)
+        _say(f"process {me} of {info.process_count}: ready, running process 0's steps")
+        with _mesh_context(mesh):
+            follower.run()
+    except lockstep.PeerFailed as err:
+        _say(f"{PROG}: error: {err}")
+        os._exit(cli.FAILURE_EXIT)
+    except BaseException as err:   # noqa: BLE001 - process 0 is told, then this one ends
+        why = f"{type(err).__name__}: {cli.describe(err)}"
+        follower.report_failure(why)
+        _say(f"{PROG}: error: process {me} of {info.process_count} failed: {why}")
+        os._exit(cli.FAILURE_EXIT)
+    engine.close()
+    distributed.shutdown()
+    _say(f"process {me}: stopped (process 0 drained the job)")
+
+
+def _grammar_maker(choice, cfg):
+    """text → a structured-output matcher over the tokenizer process 0 serves (built on
+    first use: most jobs never need it)."""
+    made = []
+
+    def grammar(text):
+        if not made:
+            from jlco.server.text import TextCodec
+            from jlco.structured.grammar import Grammars
+            codec = (TextCodec.byte_level(cfg.model.vocab_size) if choice.checkpoint is None
+                     else TextCodec.from_checkpoint(choice.checkpoint))
+            made.append(Grammars(codec.tokenizer, cfg.model.vocab_size, codec.eos_token_id))
+        return made[0].from_text(text)
+    return grammar
 
 
 DRAIN_SLACK_S = 10.0   # after the grace: aborted streams send their last event

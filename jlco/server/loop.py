@@ -8,6 +8,10 @@ tokens), and hand each request's new tokens to its stream with
 `loop.call_soon_threadsafe`. With nothing to do the thread sleeps on the command queue.
 A step that raises fails the requests in flight with a 500 and marks the loop broken
 (health 503) rather than dying silently: nothing waits forever.
+
+On several processes (`jlco.server.lockstep`) the loop is process 0's: every engine
+operation a command applies is recorded, and before each iteration's step the
+operations and the step are published as one turn for the other processes to repeat.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from typing import Callable
 
 from jlco.engine.scheduler import Request, RequestError
 from jlco.sampling.params import SamplingParams
+from jlco.server import lockstep
 from jlco.server.protocol import ApiError
 
 log = logging.getLogger("jlco.serve")
@@ -110,9 +115,12 @@ class Submit:
 
 @dataclasses.dataclass(frozen=True)
 class Call:
-    """Run fn(engine) between steps; `fut` gets its result or an ApiError."""
+    """Run fn(engine) between steps; `fut` gets its result or an ApiError. `op`: the
+    same change as a lockstep operation (`jlco.server.lockstep.apply_op`) for the other
+    processes; a call without one is refused when there are several."""
     fut: concurrent.futures.Future
     fn: Callable
+    op: list | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,10 +146,15 @@ class EngineLoop:
     the engine thread after every step (metrics)."""
 
     def __init__(self, engine, *, max_waiting: int, on_step: Callable | None = None,
-                 import_ttl_s: float = 60.0, mesh=None):
+                 import_ttl_s: float = 60.0, mesh=None, leader=None,
+                 on_broken: Callable[[str], None] | None = None):
         """mesh: a jax mesh the engine's model is sharded over; the engine thread runs
-        under it (`jax.set_mesh`)."""
+        under it (`jax.set_mesh`). leader: a `jlco.server.lockstep.Leader` when other
+        processes run the same steps. on_broken(why): called once if a step fails."""
         self.engine = engine
+        self.leader = leader
+        self.on_broken = on_broken
+        self._ops: list = []     # this iteration's engine operations (for the leader)
         self.mesh = mesh
         self.max_waiting = max_waiting
         self.import_ttl_s = import_ttl_s
@@ -159,6 +172,7 @@ class EngineLoop:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="jlco-engine", daemon=True)
         self.steps = 0
+        self.last_step_s = 0.0
 
     def start(self) -> None:
         self._thread.start()
@@ -179,16 +193,26 @@ class EngineLoop:
             self._cmds.put(Submit(fut, stream, prompt, max_new_tokens, params))
         return fut
 
-    def call(self, fn: Callable) -> concurrent.futures.Future:
+    def call(self, fn: Callable, op: list | None = None) -> concurrent.futures.Future:
         """Run `fn(engine)` on the engine thread between steps → a future of its result;
         RequestError becomes its `refusal`, ValueError a 400 ApiError, anything else
-        a 500."""
+        a 500. With other processes in lockstep `op` must say what fn changes (the
+        lockstep operation they repeat); a call without one gets a 501."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
         if self.broken or self.draining:
             fut.set_exception(ApiError(503, self.broken or "the server is shutting down"))
+        elif self.leader is not None and op is None:
+            fut.set_exception(ApiError(501, "not served with several processes "
+                                            "(--num_processes > 1): this route changes the "
+                                            "engine in a way the other processes cannot "
+                                            "repeat"))
         else:
-            self._cmds.put(Call(fut, fn))
+            self._cmds.put(Call(fut, fn, op))
         return fut
+
+    def reset_prefix_cache(self) -> concurrent.futures.Future:
+        """Drop every cached prefix page (on every process) → a future of how many."""
+        return self.call(lambda engine: engine.reset_prefix_cache(), op=["reset_prefix"])
 
     def attach(self, stream: Stream, req: Request) -> None:
         """Publish `req`'s tokens to `stream` (engine thread; from a `call`)."""
@@ -252,7 +276,16 @@ class EngineLoop:
             if now - self._last_sweep >= SWEEP_S and not self.broken:
                 self._last_sweep = now
                 self._sweep()
-            if self._stop.is_set() or not engine.has_work or self.broken:
+            stepping = not (self._stop.is_set() or not engine.has_work or self.broken)
+            if self.leader is not None and (self._ops or stepping) and not self.broken:
+                try:
+                    self.leader.publish(self._ops, stepping)
+                except Exception as err:   # noqa: BLE001 - the store is gone: fail loudly
+                    self._fail(err)
+                    continue
+                finally:
+                    self._ops = []
+            if not stepping:
                 continue
             t0 = time.perf_counter()
             try:
@@ -261,6 +294,7 @@ class EngineLoop:
                 self._fail(err)
                 continue
             self.steps += 1
+            self.last_step_s = time.perf_counter() - t0
             self.prefix_stats = _prefix_stats(engine)
             self._publish()
             if self.on_step is not None:
@@ -285,6 +319,8 @@ class EngineLoop:
             fut = cmd.fut
             try:
                 result = cmd.fn(self.engine)
+                if cmd.op is not None:
+                    self._ops.append(cmd.op)
                 # before the caller hears back: a scrape after it sees what fn changed
                 # (reset_prefix_cache, an import's prefix)
                 self.prefix_stats = _prefix_stats(self.engine)
@@ -305,23 +341,37 @@ class EngineLoop:
                                                     "retry later"))
                 return
             try:
+                op = None if self.leader is None else lockstep.submit_op(
+                    -1, cmd.prompt, cmd.max_new_tokens, cmd.params)
+            except ValueError as err:
+                cmd.fut.set_exception(ApiError(400, str(err)))
+                return
+            try:
                 req = self.engine.submit(cmd.prompt, cmd.max_new_tokens, cmd.params)
             except RequestError as err:
                 cmd.fut.set_exception(refusal(err))
                 return
+            if op is not None:
+                op[1] = req.id
+                self._ops.append(op)
             cmd.stream.request = req
             self._streams[req.id] = cmd.stream
             cmd.fut.set_result(req)
         elif isinstance(cmd, Finish):
             req = cmd.stream.request
             if req is not None and not req.done:
-                self.engine.finish(req.id, cmd.reason)
+                self._finish(req.id, cmd.reason)
                 self._publish_one(req.id, cmd.stream)
         elif isinstance(cmd, AbortAll):
             for rid, stream in list(self._streams.items()):
                 if not stream.request.done:
-                    self.engine.abort(rid)
+                    self._finish(rid, "abort")
                 self._publish_one(rid, stream)
+
+    def _finish(self, rid: int, reason: str) -> None:
+        self.engine.finish(rid, reason)
+        if self.leader is not None:
+            self._ops.append(["finish", rid, reason])
 
     def _publish(self) -> None:
         for rid, stream in list(self._streams.items()):
@@ -342,12 +392,29 @@ class EngineLoop:
                              req.finish_reason if req.done else None, stop_tok))
             stream.sent = n
         if req.done:
-            del self._streams[rid]
+            self._streams.pop(rid, None)
 
     def _fail(self, err: Exception) -> None:
-        self.broken = f"{type(err).__name__}: {err}"
         log.error("engine step failed; failing %d request(s):\n%s", len(self._streams),
                   traceback.format_exc())
+        self.fail(f"{type(err).__name__}: {err}")
+
+    def fail(self, why: str) -> None:
+        """Serve no more: every open request ends with an error, queued submissions and
+        new ones get 503 (health too). Idempotent; safe from another thread once the
+        engine thread is stuck (a peer process died inside a step's collective)."""
+        first = self.broken is None
+        if first:
+            self.broken = why
         for rid, stream in list(self._streams.items()):
             stream.put(Delta([], [], "error", error=self.broken))
-            del self._streams[rid]
+            self._streams.pop(rid, None)
+        while True:     # submissions not yet applied: refused, not left waiting
+            try:
+                cmd = self._cmds.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(cmd, (Submit, Call)):
+                cmd.fut.set_exception(ApiError(503, f"the engine failed: {self.broken}"))
+        if first and self.on_broken is not None:
+            self.on_broken(self.broken)

@@ -120,6 +120,7 @@ class _EngineCollector:
         yield CounterMetricFamily("jlco_orphans_swept", "Orphaned requests freed by the "
                                   "lifecycle sweep", value=getattr(eng, "orphans_swept", 0))
         yield from _prefix_metrics(self.state.loop)
+        yield from _process_metrics(self.state)
         spec = eng.spec_metrics
         if spec is not None:
             yield CounterMetricFamily("jlco_mtp_draft_tokens", "Draft tokens proposed",
@@ -144,6 +145,41 @@ def _prefix_metrics(loop):
                             value=stats["pages"])
     yield GaugeMetricFamily("jlco_prefix_cache_bytes", "Host bytes of the prefix cache",
                             value=stats["bytes"])
+
+
+def _process_metrics(state):
+    """Several processes in lockstep: each one's step count and last step time, its
+    host-pool bytes (the rows of its own data ranks) and resident memory, and the age
+    of its last heartbeat; process 0's from here, the others' from their beats."""
+    job = state.job
+    if job is None:
+        return
+    from jlco.server.lockstep import local_host_pool_bytes, rss_bytes
+    loop, eng = state.loop, state.engine
+    steps = CounterMetricFamily("jlco_process_steps", "Engine steps run by a process",
+                                labels=["process"])
+    last = GaugeMetricFamily("jlco_process_step_seconds", "Wall time of a process's last "
+                             "engine step", labels=["process"])
+    pool = GaugeMetricFamily("jlco_process_host_pool_bytes", "Host-pool bytes in use by the "
+                             "data ranks a process holds", labels=["process"])
+    rss = GaugeMetricFamily("jlco_process_resident_bytes", "Resident memory of a process",
+                            labels=["process"])
+    age = GaugeMetricFamily("jlco_process_heartbeat_age_seconds", "Seconds since a "
+                            "process's last heartbeat (0 for process 0)", labels=["process"])
+    if loop is not None and eng is not None:
+        steps.add_metric(["0"], loop.steps)
+        last.add_metric(["0"], loop.last_step_s)
+        pool.add_metric(["0"], local_host_pool_bytes(eng, loop.mesh))
+    rss.add_metric(["0"], rss_bytes())
+    age.add_metric(["0"], 0.0)
+    for p, info in sorted(job.processes().items()):
+        if "steps" in info:
+            steps.add_metric([str(p)], info["steps"])
+            last.add_metric([str(p)], info["last_step_s"])
+            pool.add_metric([str(p)], info["host_pool_bytes"])
+            rss.add_metric([str(p)], info["rss_bytes"])
+        age.add_metric([str(p)], info["age_s"])
+    yield from (steps, last, pool, rss, age)
 
 
 def _rank_metrics(status):

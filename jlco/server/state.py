@@ -27,6 +27,7 @@ class ServerState:
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
     loading: str = "loading the model"
     on_step: Any = None            # called with each engine step's seconds (metrics)
+    job: Any = None                # a jlco.server.lockstep.Job when processes run in lockstep
     _rng: secrets.SystemRandom = dataclasses.field(default_factory=secrets.SystemRandom)
     _grammars: Any = None
     tool_call_parser: str | None = None   # a model_type whose syntax to parse (None: served)

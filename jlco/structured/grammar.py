@@ -73,6 +73,7 @@ class Grammar(TokenConstraint):
     """One request's matcher: the mask of what may follow, advanced by each token."""
 
     def __init__(self, tokenizer: llguidance.LLTokenizer, grammar: str):
+        self.text = grammar      # what another process builds the same matcher from
         self.matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
 
     def fill(self, row: np.ndarray) -> None:
@@ -113,3 +114,7 @@ class Grammars:
     def constraint(self, spec: GrammarSpec) -> Grammar:
         """A fresh matcher for `spec` (compiled once per distinct spec), or GrammarError."""
         return Grammar(self.tokenizer, self.compile(spec))
+
+    def from_text(self, text: str) -> Grammar:
+        """A fresh matcher for a grammar another process compiled (its `Grammar.text`)."""
+        return Grammar(self.tokenizer, text)
