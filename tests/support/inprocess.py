@@ -1,13 +1,15 @@
 """The server app in this process, over a real engine: what `python -m jlco.serve
 --config configs/tiny.py` builds (random weights, the byte-level tokenizer with its
 "role: content" chat template), without the subprocess and the HTTP socket. SDK clients
-talk to it through Starlette's `TestClient` (an `httpx.Client` that calls the ASGI app),
-so the server tests that need no process of their own run in seconds.
+talk to it through Starlette's `TestClient`, which calls the ASGI app (`sdk_http_client`
+wraps it for an SDK built on another HTTP library: openai on httpx, anthropic 2 on
+httpx2), so the server tests that need no process of their own run in seconds.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 
 from tests.support.server import ROOT
 
@@ -47,3 +49,25 @@ def serving(cfg, api_key: str | None = None, name: str = "tiny"):
     finally:
         loop.drain(1.0)
         engine.close()
+
+
+def http_lib(sdk):
+    """The HTTP library (httpx or httpx2) that SDK module `sdk` is built on."""
+    base = importlib.import_module(f"{sdk.__name__}._base_client")
+    return getattr(base, "httpx2", None) or base.httpx
+
+
+def sdk_http_client(sdk, tc):
+    """An HTTP client for SDK module `sdk` that sends its requests to the app through
+    TestClient `tc` (whole responses: SSE bodies arrive at once)."""
+    lib = http_lib(sdk)
+    if isinstance(tc, lib.Client):
+        return tc
+
+    class Bridge(lib.BaseTransport):
+        def handle_request(self, request):
+            r = tc.request(request.method, str(request.url), headers=dict(request.headers),
+                           content=request.read())
+            return lib.Response(r.status_code, headers=list(r.headers.multi_items()),
+                                content=r.content)
+    return lib.Client(transport=Bridge(), base_url=str(tc.base_url))
