@@ -154,14 +154,23 @@ def test_generate_checks_its_input_before_joining_the_job():
     assert r.stderr.strip().startswith("jlco.generate: error: --prompt_ids='1,x' is invalid")
 
 
-def test_serve_refuses_more_than_one_process():
+def test_serve_checks_its_input_before_joining_the_job():
+    """No coordinator listens at 127.0.0.1:1: the bad override is reported at once, and
+    a job without a coordinator address is refused naming the flag."""
     r = subprocess.run([sys.executable, "-m", "jlco.serve", "--config",
                         str(ROOT / "configs" / "tiny.py"), "--num_processes", "2",
-                        "--process_id", "1", "--coordinator_address", "127.0.0.1:1"],
+                        "--process_id", "1", "--coordinator_address", "127.0.0.1:1",
+                        "--override", "engine.max_batch_size=0"],
                        cwd=ROOT, env=_env(1), capture_output=True, text=True, timeout=120)
     assert r.returncode == 2, r.stderr[-2000:]
-    assert r.stderr.strip().startswith("jlco.serve: error: --num_processes=2: multi-host "
-                                       "serving is not built yet")
+    assert r.stderr.strip().startswith("jlco.serve: error: engine.max_batch_size=0"), r.stderr
+    r = subprocess.run([sys.executable, "-m", "jlco.serve", "--num_processes", "2",
+                        "--process_id", "0"], cwd=ROOT, env=_env(1), capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert r.stderr.strip() == ("jlco.serve: error: --coordinator_address is required "
+                                "with --num_processes=2: allowed host:port of process 0 (or "
+                                "set JAX_COORDINATOR_ADDRESS)")
 
 
 # ----------------------------------------------------------------------------- two processes
