@@ -33,20 +33,15 @@ import sys
 import numpy as np
 from absl import app, flags
 
-from jlco.ops import agentic_replay, agentic_trace, loadgen
+from jlco.ops import agentic_replay, agentic_trace, bench_targets, loadgen
 from jlco.util import atomic
 
 FLAGS = flags.FLAGS
-REPO = pathlib.Path(__file__).resolve().parents[1]
 PROG = "bench_agentic"
 
 
 def define_flags() -> None:
-    flags.DEFINE_string("url", None, "a running server, http://HOST:PORT")
-    flags.DEFINE_string("config", None, "start servers here with this config")
-    flags.DEFINE_multi_string("override", [], "section.field=value for the started servers")
-    flags.DEFINE_bool("compare_prefix_cache", False, "start two servers in turn, "
-                      "cache.prefix_cache on and off, and compare them")
+    bench_targets.define_flags()
     flags.DEFINE_list("routes", list(agentic_replay.ROUTES), "routes to replay through: "
                       f"any of {', '.join(agentic_replay.ROUTES)}")
     flags.DEFINE_string("trace", None, "a JSON-lines trace to replay (else synthetic)")
@@ -59,18 +54,11 @@ def define_flags() -> None:
     flags.DEFINE_integer("output_tokens", 32, "synthetic reply length (max_tokens)")
     flags.DEFINE_integer("concurrency", 0, "sessions at once (0: all)")
     flags.DEFINE_integer("seed", 0, "synthetic trace and text seed")
-    flags.DEFINE_string("api_key", None, "sent as 'Authorization: Bearer KEY'")
-    flags.DEFINE_float("server_timeout_s", 1800.0, "seconds a server gets to become ready")
-    flags.DEFINE_float("request_timeout_s", 1800.0, "per-request HTTP timeout")
-    flags.DEFINE_string("out", None, "output directory (default: out/ in the repository)")
 
 
 def check_flags() -> pathlib.Path:
-    for name, low in (("num_sessions", 1), ("min_turns", 1), ("max_turns", 1),
-                      ("min_context", 16), ("max_context", 16), ("output_tokens", 1),
-                      ("concurrency", 0), ("seed", 0)):
-        if getattr(FLAGS, name) < low:
-            raise ValueError(f"--{name}={getattr(FLAGS, name)}: allowed an integer >= {low}")
+    bench_targets.at_least(dict(num_sessions=1, min_turns=1, max_turns=1, min_context=16,
+                                max_context=16, output_tokens=1, concurrency=0, seed=0))
     for lo, hi in (("min_turns", "max_turns"), ("min_context", "max_context")):
         if getattr(FLAGS, lo) > getattr(FLAGS, hi):
             raise ValueError(f"--{lo}={getattr(FLAGS, lo)} is above --{hi}="
@@ -79,15 +67,7 @@ def check_flags() -> pathlib.Path:
     if bad or not FLAGS.routes:
         raise ValueError(f"--routes={','.join(FLAGS.routes)}: allowed a list of "
                          f"{', '.join(agentic_replay.ROUTES)}")
-    if (FLAGS.url is None) == (FLAGS.config is None):
-        raise ValueError("give --url (a running server) or --config (start servers here)")
-    if FLAGS.url is not None and (FLAGS.compare_prefix_cache or FLAGS.override):
-        raise ValueError("--url talks to a running server: --compare_prefix_cache and "
-                         "--override start servers (use --config)")
-    out = pathlib.Path(FLAGS.out).expanduser() if FLAGS.out else REPO / "out"
-    atomic.check_writable(out / "bench_agentic.json", "--out")
-    out.mkdir(parents=True, exist_ok=True)
-    return out
+    return bench_targets.check_flags("bench_agentic.json")
 
 
 def sessions() -> dict[str, list[agentic_trace.Turn]]:
@@ -142,20 +122,6 @@ async def run(url: str, trace: dict) -> list[dict]:
                   f"{rep['hit_rate']['mean']:.3f}", file=sys.stderr, flush=True)
             out.append(rep)
     return out
-
-
-def run_target(label: str, overrides: list[str], out: pathlib.Path, trace: dict) -> dict:
-    if FLAGS.url is not None:
-        return dict(label=label, routes=asyncio.run(run(loadgen.normalize_url(FLAGS.url),
-                                                        trace)))
-    log = out / f"server_agentic_{label.replace(' ', '_')}.log"
-    args = loadgen.serve_args(config=FLAGS.config, overrides=overrides, api_key=FLAGS.api_key)
-    srv = loadgen.start_serve(label, lambda *_: args, log, FLAGS.server_timeout_s, prog=PROG)
-    try:
-        routes = asyncio.run(run(srv.url, trace))
-    finally:
-        srv.stop()
-    return dict(label=label, overrides=overrides, server_log=str(log), routes=routes)
 
 
 def _ms(s: dict) -> str:
@@ -213,12 +179,8 @@ def main(argv) -> int:
     except (ValueError, OSError) as err:
         print(f"{PROG}: {err}", file=sys.stderr)
         return 2
-    if FLAGS.compare_prefix_cache:
-        targets = [run_target(f"prefix cache {v}", list(FLAGS.override) +
-                              [f"cache.prefix_cache={v}"], out, trace)
-                   for v in ("true", "false")]
-    else:
-        targets = [run_target("server", list(FLAGS.override), out, trace)]
+    targets = bench_targets.run_targets(
+        lambda url: {"routes": asyncio.run(run(url, trace))}, out, PROG, "server_agentic")
     names = ("routes", "trace", "num_sessions", "min_turns", "max_turns", "min_context",
              "max_context", "output_tokens", "concurrency", "seed", "config", "override")
     report = dict(flags={k: FLAGS[k].value for k in names}, machine=loadgen.machine(),

@@ -32,46 +32,27 @@ import sys
 import numpy as np
 from absl import app, flags
 
-from jlco.ops import loadgen
+from jlco.ops import bench_targets, loadgen
 from jlco.util import atomic
 
 FLAGS = flags.FLAGS
-REPO = pathlib.Path(__file__).resolve().parents[1]
 PROG = "bench_multiturn"
 
 
 def define_flags() -> None:
-    flags.DEFINE_string("url", None, "a running server, http://HOST:PORT")
-    flags.DEFINE_string("config", None, "start servers here with this config")
-    flags.DEFINE_multi_string("override", [], "section.field=value for the started servers")
-    flags.DEFINE_bool("compare_prefix_cache", False, "start two servers in turn, "
-                      "cache.prefix_cache on and off, and compare them")
+    bench_targets.define_flags()
     flags.DEFINE_integer("num_sessions", 1, "concurrent sessions")
     flags.DEFINE_integer("turns", 4, "turns per session")
     flags.DEFINE_integer("first_len", 8192, "prompt tokens of the first turn")
     flags.DEFINE_integer("add_len", 512, "new tokens each next turn adds")
     flags.DEFINE_integer("max_tokens", 16, "answer tokens per turn")
     flags.DEFINE_integer("seed", 0, "prompt seed")
-    flags.DEFINE_string("api_key", None, "sent as 'Authorization: Bearer KEY'")
-    flags.DEFINE_float("server_timeout_s", 1800.0, "seconds a server gets to become ready")
-    flags.DEFINE_float("request_timeout_s", 1800.0, "per-request HTTP timeout")
-    flags.DEFINE_string("out", None, "output directory (default: out/ in the repository)")
 
 
 def check_flags() -> pathlib.Path:
-    for name, low in (("num_sessions", 1), ("turns", 1), ("first_len", 1), ("add_len", 1),
-                      ("max_tokens", 1), ("seed", 0)):
-        if getattr(FLAGS, name) < low:
-            raise ValueError(f"--{name}={getattr(FLAGS, name)}: allowed an integer >= {low}")
-    if (FLAGS.url is None) == (FLAGS.config is None):
-        raise ValueError("give --url (a running server) or --config (start servers here)")
-    if FLAGS.url is not None and (FLAGS.compare_prefix_cache or FLAGS.override):
-        raise ValueError("--url talks to a running server: --compare_prefix_cache and "
-                         "--override start servers (use --config)")
-    out = pathlib.Path(FLAGS.out).expanduser() if FLAGS.out else REPO / "out"
-    atomic.check_writable(out / "bench_multiturn.json", "--out")
-    out.mkdir(parents=True, exist_ok=True)
-    return out
+    bench_targets.at_least(dict(num_sessions=1, turns=1, first_len=1, add_len=1,
+                                max_tokens=1, seed=0))
+    return bench_targets.check_flags("bench_multiturn.json")
 
 
 async def session(client, rng: np.random.Generator) -> list[dict]:
@@ -107,19 +88,6 @@ async def run(url: str) -> dict:
     out_tokens = sum(len(r["tokens"]) for s in sessions for r in s)
     return dict(url=url, duration_s=dur, output_tokens_per_s=out_tokens / dur,
                 turns=per_turn, tokens=[[r["tokens"] for r in s] for s in sessions])
-
-
-def run_target(label: str, overrides: list[str], out: pathlib.Path) -> dict:
-    if FLAGS.url is not None:
-        return dict(label=label, **asyncio.run(run(loadgen.normalize_url(FLAGS.url))))
-    log = out / f"server_{label.replace(' ', '_')}.log"
-    args = loadgen.serve_args(config=FLAGS.config, overrides=overrides, api_key=FLAGS.api_key)
-    srv = loadgen.start_serve(label, lambda *_: args, log, FLAGS.server_timeout_s, prog=PROG)
-    try:
-        rep = asyncio.run(run(srv.url))
-    finally:
-        srv.stop()
-    return dict(label=label, overrides=overrides, server_log=str(log), **rep)
 
 
 def compare(on: dict, off: dict) -> dict:
@@ -175,12 +143,8 @@ def main(argv) -> int:
     except ValueError as err:
         print(f"{PROG}: {err}", file=sys.stderr)
         return 2
-    if FLAGS.compare_prefix_cache:
-        runs = [run_target(f"prefix cache {v}", list(FLAGS.override) +
-                           [f"cache.prefix_cache={v}"], out) for v in ("true", "false")]
-        cmp = compare(*runs)
-    else:
-        runs, cmp = [run_target("server", list(FLAGS.override), out)], None
+    runs = bench_targets.run_targets(lambda url: asyncio.run(run(url)), out, PROG, "server")
+    cmp = compare(*runs) if FLAGS.compare_prefix_cache else None
     report = dict(flags={k: FLAGS[k].value for k in ("num_sessions", "turns", "first_len",
                                                      "add_len", "max_tokens", "seed",
                                                      "config", "override")},

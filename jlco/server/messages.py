@@ -28,8 +28,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from jlco.server import schema
 from jlco.server.assistant import chat_prompt
 from jlco.server.messages_events import MessageEvents, from_chat
-from jlco.server.protocol import ApiError, asks_nothing, bad, parse_chat, parse_json
-from jlco.server.responses_api import inner_request, renamed
+from jlco.server.protocol import ApiError, bad, parse_chat, parse_json
+from jlco.server.responses_api import inner_request, refuse_unknown, renamed, tool_list
 from jlco.server.responses_events import events, new_id
 
 PASSED = {"model", "max_tokens", "temperature", "top_p", "top_k", "stream"}
@@ -154,14 +154,7 @@ async def anthropic_errors(request: Request, call_next):
 
 
 def _check_fields(body: dict, fields: set[str]) -> None:
-    for name, v in body.items():
-        if name in NOOP:
-            if not asks_nothing(v, NOOP[name]):
-                allowed = " or ".join(json.dumps(a) for a in NOOP[name])
-                raise bad(name, f"{json.dumps(v)[:60]} is not supported by jlco (allowed: "
-                                f"{allowed}, or leave it out)")
-        elif name not in fields:
-            raise bad(name, "unknown field")
+    refuse_unknown(body, fields, NOOP)
     meta = body.get("metadata")
     if meta is not None and (not isinstance(meta, dict) or set(meta) - {"user_id"}):
         raise bad("metadata", "allowed {\"user_id\": str} (informational)")
@@ -186,6 +179,12 @@ def _text(v: Any, field: str) -> str:
     raise bad(field, "allowed a string or a list of {\"type\": \"text\", \"text\"} blocks")
 
 
+def _blocks(content: list, field: str):
+    """(field of block i, its type, the block) for each block of a turn's content."""
+    for i, b in enumerate(content):
+        yield f"{field}[{i}]", b.get("type") if isinstance(b, dict) else None, b
+
+
 def _assistant(content: Any, field: str) -> dict:
     """An assistant turn: its text and tool_use blocks as one chat message (thinking
     blocks dropped)."""
@@ -194,9 +193,7 @@ def _assistant(content: Any, field: str) -> dict:
     if not isinstance(content, list):
         raise bad(field, "allowed a string or a list of content blocks")
     text, calls = [], []
-    for i, b in enumerate(content):
-        kind = b.get("type") if isinstance(b, dict) else None
-        where = f"{field}[{i}]"
+    for where, kind, b in _blocks(content, field):
         if kind == "text":
             text.append(_text([b], field))
         elif kind == "tool_use":
@@ -224,9 +221,7 @@ def _user(content: Any, field: str, msgs: list[dict], origin: list[str]) -> None
     if not isinstance(content, list) or not content:
         raise bad(field, "allowed a string or a non-empty list of content blocks")
     text = []
-    for i, b in enumerate(content):
-        kind = b.get("type") if isinstance(b, dict) else None
-        where = f"{field}[{i}]"
+    for where, kind, b in _blocks(content, field):
         if kind == "text":
             text.append(_text([b], field))
         elif kind == "tool_result":
@@ -271,20 +266,16 @@ def _messages(body: dict) -> tuple[list[dict], list[str]]:
 
 def _tools(v: Any) -> list[dict] | None:
     """Anthropic's custom tools → chat functions (server tools refused by name)."""
-    if v is None:
+    tools = tool_list(v, {"type", "name", "description", "input_schema", "cache_control"},
+                      "{\"name\", \"description\", \"input_schema\"}")
+    if tools is None:
         return None
-    if not isinstance(v, list):
-        raise bad("tools", "allowed a list of {\"name\", \"description\", \"input_schema\"}")
     out = []
-    for i, t in enumerate(v):
-        if not isinstance(t, dict) or t.get("type", "custom") != "custom":
-            kind = t.get("type") if isinstance(t, dict) else None
-            raise bad(f"tools[{i}].type", f"{json.dumps(kind)} is not supported by jlco "
+    for i, t in enumerate(tools):
+        if t.get("type", "custom") != "custom":
+            raise bad(f"tools[{i}].type", f"{json.dumps(t['type'])} is not supported by jlco "
                                           "(allowed \"custom\": client tools with an "
                                           "input_schema)")
-        extra = set(t) - {"type", "name", "description", "input_schema", "cache_control"}
-        if extra:
-            raise bad(f"tools[{i}].{sorted(extra)[0]}", "unknown field")
         if not isinstance(t.get("input_schema"), dict):
             raise bad(f"tools[{i}].input_schema", "required: a JSON schema object")
         fn = {"name": t.get("name"), "parameters": t["input_schema"]}

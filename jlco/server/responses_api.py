@@ -128,15 +128,35 @@ async def delete(request: Request, response_id: str):
     return {"id": response_id, "object": "response.deleted", "deleted": True}
 
 
-def _check_fields(body: dict) -> None:
+def refuse_unknown(body: dict, fields: set[str], noop: dict[str, tuple]) -> None:
+    """A field outside `fields` is refused by name, as is a `noop` field at a value that
+    asks for something (allowed: its tuple's values, or leaving it out)."""
     for name, v in body.items():
-        if name in NOOP:
-            if not asks_nothing(v, NOOP[name]):
-                allowed = " or ".join(json.dumps(a) for a in NOOP[name])
+        if name in noop:
+            if not asks_nothing(v, noop[name]):
+                allowed = " or ".join(json.dumps(a) for a in noop[name])
                 raise bad(name, f"{json.dumps(v)[:60]} is not supported by jlco (allowed: "
                                 f"{allowed}, or leave it out)")
-        elif name not in FIELDS:
+        elif name not in fields:
             raise bad(name, "unknown field")
+
+
+def tool_list(v: Any, keys: set[str], usage: str) -> list[dict] | None:
+    """A client's `tools`: None, or a list of objects with no key outside `keys` (one
+    outside is refused by name; `usage` says what a tool looks like)."""
+    if v is None:
+        return None
+    if not isinstance(v, list) or not all(isinstance(t, dict) for t in v):
+        raise bad("tools", f"allowed a list of {usage}")
+    for i, t in enumerate(v):
+        extra = set(t) - keys
+        if extra:
+            raise bad(f"tools[{i}].{sorted(extra)[0]}", "unknown field")
+    return v
+
+
+def _check_fields(body: dict) -> None:
+    refuse_unknown(body, FIELDS, NOOP)
     if not isinstance(body.get("store"), (bool, type(None))):
         raise bad("store", "allowed true or false (default true: kept in memory)")
     inc = body.get("include")
@@ -225,18 +245,15 @@ def _messages(body: dict) -> tuple[list[dict], list[str]]:
 
 def _tools(v: Any) -> list[dict] | None:
     """Flat Responses function tools → chat's {"type": "function", "function": {...}}."""
-    if v is None:
+    tools = tool_list(v, {"type", "name", "description", "parameters", "strict"},
+                      "{\"type\": \"function\", \"name\", ...}")
+    if tools is None:
         return None
-    if not isinstance(v, list):
-        raise bad("tools", "allowed a list of {\"type\": \"function\", \"name\", ...}")
     out = []
-    for i, t in enumerate(v):
-        if not isinstance(t, dict) or t.get("type") != "function":
+    for i, t in enumerate(tools):
+        if t.get("type") != "function":
             raise bad(f"tools[{i}].type", "allowed \"function\" (jlco serves function "
                                           "tools only)")
-        extra = set(t) - {"type", "name", "description", "parameters", "strict"}
-        if extra:
-            raise bad(f"tools[{i}].{sorted(extra)[0]}", "unknown field")
         fn = {k: t[k] for k in ("name", "description", "parameters", "strict")
               if t.get(k) is not None}
         out.append({"type": "function", "function": fn})
