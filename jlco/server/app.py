@@ -3,16 +3,18 @@
 Routes: POST /v1/completions, POST /v1/chat/completions (the checkpoint's chat template,
 DeepSeek-V3.2's encoding, or the demo model's plain one; tools and structured outputs:
 `assistant`), POST /v1/responses (OpenAI's Responses API over the chat route:
-`responses_api`), POST /v1/internal/prefill and /v1/internal/prefilled (PD
+`responses_api`; stored, GET / DELETE /v1/responses/{id}: `response_store`), POST
+/v1/messages and /v1/messages/count_tokens (Anthropic's Messages API over the chat
+route: `messages`), POST /v1/internal/prefill and /v1/internal/prefilled (PD
 disaggregation: export a prefill as a safetensors payload; import one, claimed later by a
 completion with `kv_transfer_params`), GET /v1/models and /v1/models/{id}, POST /tokenize
 and /detokenize (vLLM's), POST /v1/reset_prefix_cache, GET /health (200 ready; 503
 loading, draining, broken, or admission paused by a pool watermark), GET /metrics
 (Prometheus). Bodies and error responses are declared in /openapi.json (`schema`); the
 handlers read raw JSON through `protocol`. Every /v1 route and the tokenizer routes
-check `Authorization: Bearer KEY` when the server has an API key. Streaming is SSE
-(`data: {json}` chunks, then `data: [DONE]`), the same text as the non-streamed response
-because both go through one `Detokenizer`. A client that disconnects aborts its request
+check `Authorization: Bearer KEY` (or `x-api-key: KEY`) when the server has an API key.
+Streaming is SSE (`data: {json}` chunks, then `data: [DONE]`), the same text as the
+non-streamed response because both go through one `Detokenizer`. A client that disconnects aborts its request
 (its slot and pages come back at the engine's next step). Handlers ask the engine, never
 its scheduler: `submit` / `claim` with one `SamplingParams` per choice (checked when made;
 the engine checks it against its vocabulary once, when it queues), `admission_status()`

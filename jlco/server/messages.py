@@ -116,15 +116,29 @@ def register(app: FastAPI, chat: Callable[[Request], Awaitable[Any]]) -> None:
     (passed in: the app module imports this one)."""
     async def create_message(request: Request):
         return await create(request, chat)
-    extra = schema.route_extra(MessagesBody)
+    extra = _error_schemas(schema.route_extra(MessagesBody))
     extra["responses"]["200"] = {"description": "the message, or with stream: the "
                                  "Messages events", "content": {
         "application/json": {"schema": {"type": "object"}},
         "text/event-stream": {"schema": {"type": "string"}}}}
     app.post("/v1/messages", openapi_extra=extra)(create_message)
     app.post("/v1/messages/count_tokens",
-             openapi_extra=schema.route_extra(CountTokensBody))(count_tokens)
+             openapi_extra=_error_schemas(schema.route_extra(CountTokensBody)))(count_tokens)
     app.middleware("http")(anthropic_errors)
+
+
+ERROR_SCHEMA = {"type": "object", "required": ["type", "error"], "properties": {
+    "type": {"const": "error"},
+    "error": {"type": "object", "required": ["type", "message"], "properties": {
+        "type": {"enum": sorted(set(ERROR_TYPES.values()))},
+        "message": {"type": "string"}}}}}
+
+
+def _error_schemas(extra: dict) -> dict:
+    """`route_extra`'s error responses in Anthropic's shape (what these routes send)."""
+    for code, resp in extra["responses"].items():
+        resp["content"] = {"application/json": {"schema": ERROR_SCHEMA}}
+    return extra
 
 
 def error_body(status: int, message: str) -> dict:
@@ -295,7 +309,8 @@ def _tool_choice(v: Any, chat: dict) -> None:
                "none": set(), "tool": {"name", "disable_parallel_tool_use"}}
     if kind not in allowed or set(v) - allowed[kind] - {"type"}:
         raise bad("tool_choice", "allowed {\"type\": \"auto\" | \"any\" | \"none\"} or "
-                                 "{\"type\": \"tool\", \"name\"} (and disable_parallel_tool_use)")
+                                 "{\"type\": \"tool\", \"name\"} (and "
+                                 "disable_parallel_tool_use)")
     if kind == "tool":
         chat["tool_choice"] = {"type": "function", "function": {"name": v.get("name")}}
     else:

@@ -417,8 +417,11 @@ async def create(request: Request, chat: Callable[[Request], Awaitable[Any]]):
 async def _stored(frames, conv: EventStream, store: ResponseStore | None, body: dict):
     """The event stream; at its end, the final response kept in `store` (unless None,
     or the stream failed or broke off)."""
-    async for frame in frames:
-        yield frame
+    try:
+        async for frame in frames:
+            yield frame
+    finally:
+        await frames.aclose()       # the client left: the chat stream's requests end now
     if store is not None and conv.finish is not None and conv.error is None:
         final = envelope(conv.echo, conv.rid, conv.created, status_of(conv.finish),
                          conv.output, conv.use)

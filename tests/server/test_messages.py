@@ -206,6 +206,9 @@ def test_errors_are_anthropic_shaped_and_x_api_key_is_a_key():
         assert r.status_code == 400 and r.json()["error"]["code"] == 400   # OpenAI's shape
         paths = c.get("/openapi.json").json()["paths"]
         assert "/v1/messages" in paths and "/v1/messages/count_tokens" in paths
+        err = paths["/v1/messages"]["post"]["responses"]["400"]["content"]
+        assert err["application/json"]["schema"]["properties"]["type"] == {"const": "error"}
+        assert set(paths["/v1/responses/{response_id}"]) == {"get", "delete"}
 
 
 # -- the SDK against the app in-process --------------------------------------------------
