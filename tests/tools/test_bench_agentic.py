@@ -136,6 +136,7 @@ def test_replay_through_every_route(app, tmp_path):
     assert (tmp_path / "a.png").stat().st_size > 0
 
 
+@pytest.mark.e2e       # the tool as a user runs it: a subprocess
 @pytest.mark.parametrize("args, needle", [
     (["--url=http://x:1", "--routes=chat,grpc"], "--routes=chat,grpc: allowed"),
     (["--url=http://x:1", "--min_turns=9", "--max_turns=3"], "--min_turns=9 is above"),
