@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import pathlib
 import sys
 
@@ -173,6 +174,7 @@ def plot(targets: list[dict], path: pathlib.Path) -> None:
 
 def main(argv) -> int:
     del argv
+    logging.getLogger("httpx").setLevel(logging.WARNING)   # no line per request
     try:
         out = check_flags()
         trace = sessions()
