@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import signal
 import socket
 import time
@@ -78,10 +79,36 @@ def _streamed(url: str, prompt, n: int = 8) -> list[int]:
     return toks
 
 
-def _one_process(*args: str) -> list[list[int]]:
+# What else crosses to process 1 with a request: a grammar (as text), penalties, a seeded
+# sampler, log-prob alternatives, a prompt sharing a cached prefix.
+VARIETY = [
+    {"prompt": PROMPTS[0], "max_tokens": 6, "temperature": 0,
+     "structured_outputs": {"regex": "[a-z]{3}[0-9]{2}"}},
+    {"prompt": PROMPTS[1], "max_tokens": 8, "temperature": 0, "presence_penalty": 1.5,
+     "repetition_penalty": 1.3, "logit_bias": {"21": -100}, "ignore_eos": True},
+    {"prompt": PROMPTS[2], "max_tokens": 8, "temperature": 1.0, "seed": 7, "top_k": 20,
+     "ignore_eos": True, "logprobs": 2},
+    {"prompt": PROMPTS[15] + [9, 9], "max_tokens": 4, "temperature": 0, "ignore_eos": True},
+]
+
+
+def _variety(url: str, grammar: bool) -> list[tuple[list[int], list[float], str]]:
+    """VARIETY's outputs (without its grammar request where no tokenizer is served)."""
+    out = []
+    for body in VARIETY[0 if grammar else 1:]:   # in turn: the last reuses PROMPTS[15]'s pages
+        r = httpx.post(url + "/v1/completions", json={**body, "return_token_ids": True},
+                       timeout=600)
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        out.append((choice["token_ids"],
+                    (choice.get("logprobs") or {}).get("token_logprobs") or [], choice["text"]))
+    return out
+
+
+def _one_process(*args: str, grammar: bool):
     srv = ServerProcess(*args, env=ONE)
     try:
-        return asyncio.run(_completions(srv.url, PROMPTS))
+        return asyncio.run(_completions(srv.url, PROMPTS)), _variety(srv.url, grammar)
     finally:
         assert srv.stop() == 0, srv.stderr[-3000:]
 
@@ -96,16 +123,28 @@ def _six_expert_checkpoint(tmp_path) -> list[str]:
 @pytest.mark.slow
 @pytest.mark.parametrize("model,mesh", [("random", "expert=2"), ("hf_checkpoint", "data=2")])
 def test_two_processes_serve_the_tokens_of_one(model, mesh, tmp_path):
-    source = (["--config", str(ROOT / "configs" / "tiny.py")] if model == "random"
-              else _six_expert_checkpoint(tmp_path))
-    want = _one_process(*source, *DEPLOY)
-    job = Job(*source, *DEPLOY, "--mesh", mesh)
+    source = ["--config", str(ROOT / "configs" / "tiny.py")] + (
+        [] if model == "random" else _six_expert_checkpoint(tmp_path) + [
+            "--override", "engine.max_context_len=256"])    # the checkpoint's positions
+    # a checkpoint saved by transformers has no MTP layer: offload alone
+    deploy = DEPLOY if model == "random" else ["--offload"]
+    grammar = model == "random"   # the byte-level tokenizer; the checkpoint has none
+    want, want_variety = _one_process(*source, *deploy, grammar=grammar)
+    job = Job(*source, *deploy, "--mesh", mesh)
     try:
         assert "distributed: process 0 of 2: 1 local of 2 devices" in job.p0.stderr
-        assert "decode step: MTP speculative, 1 draft(s)" in job.p0.stderr
+        assert ("decode step: MTP speculative, 1 draft(s)" in job.p0.stderr) == \
+            (model == "random")
         got = asyncio.run(_completions(job.p0.url, PROMPTS))
         assert got == want, job.logs()
         assert _streamed(job.p0.url, PROMPTS[5]) == want[5]
+        got_variety = _variety(job.p0.url, grammar)
+        for (toks, logps, _), (want_toks, want_logps, _) in zip(got_variety, want_variety):
+            assert toks == want_toks
+            assert len(logps) == len(want_logps)
+            assert all(abs(a - b) < 1e-4 for a, b in zip(logps, want_logps))
+        if grammar:
+            assert re.fullmatch("[a-z]{3}[0-9]{2}", got_variety[0][2]), got_variety[0]
         metrics = httpx.get(job.p0.url + "/metrics").text
         steps = {line.split('"')[1]: float(line.split()[-1]) for line in metrics.splitlines()
                  if line.startswith("jlco_process_steps_total{")}
