@@ -77,6 +77,13 @@ def check_mesh(cfg: Config) -> None:
                          "same number of routed experts; allowed mesh.expert dividing "
                          f"{model.n_routed_experts}")
     check_batch(cfg.engine.max_batch_size, m.data)
+    if cfg.cache.offload and jax.process_count() > 1 and \
+            cfg.resolved_fetch_path() == "host_driven":
+        raise NotImplementedError(
+            f"cache.fetch_path={cfg.cache.fetch_path!r} (host-driven, storage "
+            f"{cfg.cache.storage!r}) is not built for {jax.process_count()} processes: its "
+            "host pool reads rows that the mesh splits across processes; allowed "
+            "cache.fetch_path='in_jit' with cache.storage pinned_host or unpinned_host")
 
 
 def check_batch(batch: int, ranks: int) -> None:

@@ -196,3 +196,22 @@ def test_killing_process_1_fails_the_job_within_the_peer_timeout():
     assert job.p0.stderr.strip().splitlines()[-1].startswith(
         "jlco.serve: error: process 1 of 2 failed: no heartbeat for"), job.logs()
     assert job.p1.proc.returncode == -signal.SIGKILL
+
+
+@pytest.mark.slow
+def test_the_host_driven_path_is_refused_across_processes():
+    """Its host pool would read rows the mesh splits across processes: both processes
+    refuse it before any weight loads, naming the field and what is allowed."""
+    job_args = ["--config", str(ROOT / "configs" / "tiny.py"), "--offload", "--mesh",
+                "expert=2", "--override", "cache.fetch_path=host_driven"]
+    addr = f"127.0.0.1:{_free_port()}"
+    procs = [ServerProcess(*job_args, "--num_processes", "2", "--process_id", str(p),
+                           "--coordinator_address", addr, wait=False, env=ONE)
+             for p in (0, 1)]
+    codes = [p.proc.wait(300) for p in procs]
+    time.sleep(0.2)
+    assert codes == [2, 2], [p.stderr[-2000:] for p in procs]
+    for p in procs:
+        assert p.stderr.strip().splitlines()[-1].startswith(
+            "jlco.serve: error: cache.fetch_path='host_driven' (host-driven, storage "
+            "'pinned_host') is not built for 2 processes"), p.stderr[-2000:]
