@@ -17,7 +17,8 @@ Engine: --config (default configs/tiny.py) gives the cache and engine sections. 
 --config the context follows the request (longest prompt + --max_new_tokens, rounded up
 to a power of two, at most the model's max_position_embeddings) and the batch is the
 number of prompts; an explicit --config's context is kept, and its larger
-max_batch_size too when its own model runs. --offload puts the MLA latent cache in host
+max_batch_size too when its own model runs; without --config the prefill chunk also
+takes the longest prompt in one piece (up to 2,048 positions, `prefill_chunk_for`). --offload puts the MLA latent cache in host
 memory (same tokens as without it). --mesh data=D,expert=E,tensor=T (fields left out are
 1; default: the config's `mesh` section) runs on a JAX mesh of D·E·T devices
 (`jlco.parallel`): the parameters are placed by their logical axes and the engine runs
@@ -38,8 +39,10 @@ Output: one line of tokens per prompt, or --json: {"tokens", "logprobs", "timing
 --prompts_file; strict JSON (a non-finite log-prob is an error, exit 1). Bad input is one
 `jlco.generate: error: ...` line on stderr, exit 2, no traceback (a number outside a
 flag's bounds is absl's parse error, exit 1). Timing: prefill_s is admission + prefill
-(with the prefill's compilation), compile_s the first decode step's excess over the
-median step, decode_s the decode loop without it. JAX's persistent compilation cache is
+(with the prefill's compilation, prefill_compile_s of it), compile_s the seconds the
+decode loop spent tracing, lowering and compiling (JAX's own events, all in its first
+step: late_compiles counts programs compiled after it), decode_s the decode loop
+without them. JAX's persistent compilation cache is
 on (`jlco.util.compile_cache`).
 """
 
@@ -66,6 +69,8 @@ FLAGS = flags.FLAGS
 PROG = "jlco.generate"
 DTYPES = ("float32", "bfloat16", "float16")
 MIN_CONTEXT = 64                   # smallest context bucket (fewer distinct compiled shapes)
+PREFILL_CHUNK_MAX = 2048           # without --config: prompt positions per prefill piece at most
+PREFILL_SCORES_BYTES = 1 << 30     # ... and one piece's f32 attention scores at most
 
 
 class NonFiniteOutput(RuntimeError):
@@ -241,38 +246,65 @@ def engine_shape(model, engine, lens: list[int], max_new: int, explicit: bool,
     batch = len(lens)
     if explicit and own_model:
         batch = max(batch, engine.max_batch_size)
-    return dict(engine__max_context_len=ctx, engine__max_batch_size=batch)
+    shape = dict(engine__max_context_len=ctx, engine__max_batch_size=batch)
+    if not explicit:
+        shape["engine__prefill_chunk"] = prefill_chunk_for(model, engine.prefill_chunk,
+                                                           max(lens), ctx)
+    return shape
 
 
-def _timing(step_s: list[float], prefill_s: float, loop_s: float, decode_tokens: int) -> dict:
-    """compile_s: the first decode step's excess over the median step (its compilation;
-    prefill_s includes the prefill's own). decode_s: the decode loop without it."""
+def prefill_chunk_for(model, chunk: int, longest: int, ctx: int) -> int:
+    """Without --config: the prefill chunk that takes the longest prompt in one piece, up
+    to PREFILL_CHUNK_MAX positions and while one chunk's attention scores (f32, every
+    head, [chunk, context]) stay within PREFILL_SCORES_BYTES; never below `chunk` (the
+    config's). The tiny config's 64 ran a 2,048-token prompt as 32 pieces."""
+    want = pow2_bucket(longest, 1, min(PREFILL_CHUNK_MAX, ctx))
+    while want > chunk and model.num_attention_heads * want * ctx * 4 > PREFILL_SCORES_BYTES:
+        want //= 2
+    return max(chunk, want)
+
+
+def _timing(step_s: list[float], prefill_s: float, loop_s: float, decode_tokens: int, *,
+            compile_s: float, prefill_compile_s: float, late_compiles: int) -> dict:
+    """compile_s: seconds the decode loop spent tracing, lowering and compiling (JAX's
+    own events; all of it in the first step: `late_compiles` counts programs compiled
+    after it). decode_s: the decode loop without them. prefill_s includes the prefill's
+    compilation, prefill_compile_s says how much it was."""
     steps = list(step_s)
     p50 = statistics.median(steps) if steps else None
-    compile_s = max(0.0, steps[0] - p50) if steps else 0.0
     decode_s = max(0.0, loop_s - compile_s)
     return {"compile_s": round(compile_s, 4), "prefill_s": round(prefill_s, 4),
+            "prefill_compile_s": round(prefill_compile_s, 4),
             "decode_s": round(decode_s, 4),
             "decode_tokens_per_s": (round(decode_tokens / decode_s, 2)
                                     if steps and decode_s > 0 else None),
-            "step_ms_p50": round(p50 * 1e3, 3) if steps else None}
+            "step_ms_p50": round(p50 * 1e3, 3) if steps else None,
+            "late_compiles": late_compiles}
 
 
-def _decode(engine, prompts: list[list[int]]):
-    """Submit every prompt, admit + prefill them (timed), then decode to the end (timed)."""
+def _decode(engine, prompts: list[list[int]], clock):
+    """Submit every prompt, admit + prefill them (timed), then decode to the end (timed;
+    `clock`, a CompileClock, says how much of each was tracing and compiling)."""
     reqs = [engine.submit(p, FLAGS.max_new_tokens,
                           SamplingParams(temperature=FLAGS.temperature, seed=FLAGS.seed + i))
             for i, p in enumerate(prompts)]
+    c0 = clock.total
     t0 = time.perf_counter()
     engine.admit()
     prefill_s = time.perf_counter() - t0
+    prefill_compile_s = clock.total - c0
     first = sum(len(r.tokens) for r in reqs)
+    c1 = clock.total
     t1 = time.perf_counter()
-    while engine.step():
-        pass
+    more = engine.step()          # the first decode step: its programs compile here
+    after_first = clock.compiles
+    while more:
+        more = engine.step()
     loop_s = time.perf_counter() - t1
     decoded = sum(len(r.tokens) for r in reqs) - first
-    return reqs, _timing(engine.step_seconds, prefill_s, loop_s, decoded)
+    return reqs, _timing(engine.step_seconds, prefill_s, loop_s, decoded,
+                         compile_s=clock.total - c1, prefill_compile_s=prefill_compile_s,
+                         late_compiles=clock.compiles - after_first)
 
 
 # ----------------------------------------------------------------------------- output
@@ -299,9 +331,11 @@ def render(results: list[dict], timing: dict, as_json: bool, batch_form: bool) -
 
 
 def _report(engine, timing: dict) -> None:
-    _say(f"timing: prefill {timing['prefill_s']:.3f} s, decode {timing['decode_s']:.3f} s "
+    _say(f"timing: prefill {timing['prefill_s']:.3f} s (of it compiling "
+         f"{timing['prefill_compile_s']:.3f} s), decode {timing['decode_s']:.3f} s "
          f"({timing['decode_tokens_per_s']} tok/s, p50 step {timing['step_ms_p50']} ms), "
-         f"compile (first decode step) {timing['compile_s']:.3f} s")
+         f"compile (first decode step) {timing['compile_s']:.3f} s, "
+         f"{timing['late_compiles']} program(s) compiled after it")
     if engine.spec_metrics is not None:
         m = engine.spec_metrics
         _say(f"speculative: {FLAGS.num_draft_tokens} drafts/step, {m.steps} steps, "
@@ -375,10 +409,12 @@ def main(argv):
                 import jax
 
                 from jlco.engine.core import Engine
+                from jlco.util.compile_clock import CompileClock
+                clock = CompileClock()
                 with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
                     engine = Engine(cfg, model)
                     _say(engine.step_kind.describe())
-                    reqs, timing = _decode(engine, prompts)
+                    reqs, timing = _decode(engine, prompts, clock)
             results = [{"tokens": list(r.tokens), "logprobs": [float(x) for x in r.logprobs]}
                        for r in reqs]
             with cli.errors_exit(PROG, NonFiniteOutput, code=cli.FAILURE_EXIT):

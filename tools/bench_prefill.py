@@ -49,14 +49,12 @@ from absl import app, flags, logging
 
 from jlco.planning import roofline
 from jlco.util import atomic, cli, compile_cache
+from jlco.util.compile_clock import CompileClock
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 PROG = "bench_prefill"
 FLAGS = flags.FLAGS
 RESULT_TAG = "BENCH_PREFILL_RESULT "   # the child's one result line on stdout
-COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration",
-                  "/jax/core/compile/jaxpr_to_mlir_module_duration",
-                  "/jax/core/compile/backend_compile_duration")
 GIB = 2 ** 30
 
 
@@ -159,20 +157,6 @@ def build(n: int):
     mesh = load.checked_mesh(checked)
     cfg, model = load.load_sharded(choice, checked, mesh, seed=FLAGS.seed, verify=True)
     return cfg, model, mesh, choice.banner
-
-
-class CompileClock:
-    """Seconds JAX spends tracing, lowering and compiling (its monitoring events), for
-    taking compilation out of a timed run."""
-
-    def __init__(self):
-        import jax
-        self.total = 0.0
-        jax.monitoring.register_event_duration_secs_listener(self._on_event)
-
-    def _on_event(self, event: str, duration: float, **_) -> None:
-        if event in COMPILE_EVENTS:
-            self.total += duration
 
 
 class PieceTimer:

@@ -21,6 +21,8 @@ import numpy as np
 import pytest
 from tests.support.cli import make_hf_checkpoint, run
 
+pytestmark = pytest.mark.e2e   # real subprocesses: the e2e tier (pyproject.toml)
+
 torch = pytest.importorskip("torch")
 tokenizers = pytest.importorskip("tokenizers")
 
@@ -72,9 +74,12 @@ def test_f32_checkpoint_batch_equals_transformers(ckpt, tmp_path):
         assert got["tokens"] == want_toks, prompt
         np.testing.assert_allclose(got["logprobs"], want_lps, atol=1e-4, rtol=0)
     t = out["timing"]
-    assert set(t) == {"compile_s", "prefill_s", "decode_s", "decode_tokens_per_s", "step_ms_p50"}
+    assert set(t) == {"compile_s", "prefill_s", "prefill_compile_s", "decode_s",
+                      "decode_tokens_per_s", "step_ms_p50", "late_compiles"}
     assert t["prefill_s"] > 0 and t["decode_s"] > 0 and t["step_ms_p50"] > 0
     assert t["decode_tokens_per_s"] > 0 and t["compile_s"] >= 0
+    assert 0 <= t["prefill_compile_s"] <= t["prefill_s"]
+    assert t["late_compiles"] == 0     # every decode program compiles in the first step
     assert "dtype float32 (from config.json 'dtype')" in r.stderr
     # context follows the request (5 + 6 -> bucket 64 <= 256), one batch of 3
     assert "3 prompt(s), batch 3, context 64" in r.stderr
