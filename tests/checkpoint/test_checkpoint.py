@@ -370,6 +370,7 @@ def test_real_model_hf_to_orbax_round_trip(ckpts, tmp_path):
         load_model(tmp_path)
 
 
+@pytest.mark.e2e
 def test_convert_cli_fp8_with_mtp(ckpts, tmp_path):
     """`python -m jlco.convert` on an fp8 checkpoint with an MTP layer → bf16 Orbax whose
     weights are the dequantised twin's, rounded to bf16 once."""

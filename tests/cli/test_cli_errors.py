@@ -15,6 +15,8 @@ from tests.support.cli import MPE, assert_error, make_hf_checkpoint, run
 
 from jlco.checkpoint import safetensors_io as st
 
+pytestmark = pytest.mark.e2e   # real subprocesses: the e2e tier (pyproject.toml)
+
 pytest.importorskip("transformers")
 
 

@@ -65,6 +65,7 @@ def offloaded(ckpt):
     return _generate(ckpt, "--offload")
 
 
+@pytest.mark.e2e
 def test_generate_offloaded_equals_transformers(ckpt, offloaded):
     for got, prompt in zip(offloaded["results"], PROMPTS, strict=True):
         want_toks, want_lps = _reference(ckpt[2], prompt)

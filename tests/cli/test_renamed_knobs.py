@@ -71,6 +71,7 @@ def test_config_file_with_the_old_spelling_loads(tmp_path):
     assert len(_deprecations(record)) == 2
 
 
+@pytest.mark.e2e
 def test_cli_override_prints_the_deprecation_once():
     """--override with an old name: one deprecation line on stderr naming the new one
     (then a bad value elsewhere ends the run before any model is built)."""
@@ -81,6 +82,7 @@ def test_cli_override_prints_the_deprecation_once():
     assert len(lines) == 1 and "cache.fetch_chunk_rows" in lines[0], r.stderr[-2000:]
 
 
+@pytest.mark.e2e
 def test_tune_flags_new_names_in_help_old_names_accepted():
     r = run("tools/tune.py", "--help")        # absl's --help exits 1
     assert "Traceback" not in r.stderr, r.stderr[-2000:]

@@ -12,6 +12,8 @@ import pytest
 
 from tests.support.cli import ROOT
 
+pytestmark = pytest.mark.e2e   # real subprocesses: the e2e tier (pyproject.toml)
+
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_signal_mid_decode_cleans_up(tmp_path, sig):

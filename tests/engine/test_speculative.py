@@ -296,6 +296,7 @@ def test_mtp_host_driven_exact(model, prompts, greedy, n):
     assert eng.runner.spec.draft_log == jit_eng.runner.spec.draft_log   # the same drafts
 
 
+@pytest.mark.e2e
 def test_generate_cli_with_drafts(prompts, greedy):
     """`python -m jlco.generate --num_draft_tokens 2` on the random tiny model (the
     same weights as the fixture: seed 0) emits plain greedy's tokens and reports

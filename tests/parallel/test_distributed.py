@@ -134,6 +134,7 @@ def test_multi_process_asked():
         "JAX_NUM_PROCESSES=auto"
 
 
+@pytest.mark.e2e
 def test_generate_refuses_a_job_without_a_coordinator():
     r = subprocess.run([sys.executable, "-m", "jlco.generate", "--prompt_ids", "1,2",
                         "--num_processes", "2", "--process_id", "0"], cwd=ROOT,
@@ -144,6 +145,7 @@ def test_generate_refuses_a_job_without_a_coordinator():
                                 "set JAX_COORDINATOR_ADDRESS)")
 
 
+@pytest.mark.e2e
 def test_generate_checks_its_input_before_joining_the_job():
     """No coordinator listens at 127.0.0.1:1: the bad prompt is reported at once."""
     r = subprocess.run([sys.executable, "-m", "jlco.generate", "--prompt_ids", "1,x",
@@ -154,6 +156,7 @@ def test_generate_checks_its_input_before_joining_the_job():
     assert r.stderr.strip().startswith("jlco.generate: error: --prompt_ids='1,x' is invalid")
 
 
+@pytest.mark.e2e
 def test_serve_checks_its_input_before_joining_the_job():
     """No coordinator listens at 127.0.0.1:1: the bad override is reported at once, and
     a job without a coordinator address is refused naming the flag."""

@@ -253,11 +253,13 @@ def test_tensor_parallel_alone_equals_one_device(prompts, tiny_reference):
     _assert_same(_generate(prompts, 2, "--mesh", "tensor=2"), tiny_reference)
 
 
+@pytest.mark.e2e
 def test_mesh_product_must_equal_device_count():
     r = _run(["-m", "jlco.generate", "--prompt_ids", "1,2,3", "--mesh", "expert=4"], 2)
     _assert_error(r, "mesh.data=1", "mesh.expert=4", "mesh.tensor=1", "2 device(s)")
 
 
+@pytest.mark.e2e
 def test_experts_must_divide_over_the_mesh(six_experts):
     r = _run(["-m", "jlco.generate", "--prompt_ids", "1,2,3", "--config", str(six_experts),
               "--mesh", "expert=4"], 4)
@@ -273,6 +275,7 @@ def test_data_parallel_attention_equals_one_device(prompts, tiny_reference, devi
     _assert_same(_generate(prompts, devices, "--mesh", mesh), tiny_reference)
 
 
+@pytest.mark.e2e
 def test_data_parallel_batch_must_split_evenly():
     from jlco.config import load_config
     from jlco.parallel.mesh import check_mesh

@@ -110,6 +110,7 @@ def _generate(ckpt, prompt, devices: int, mesh: str | None):
     return json.loads(r.stdout)
 
 
+@pytest.mark.e2e
 def test_hf_checkpoint_with_six_experts_loads_sharded_and_matches_one_device(tmp_path):
     """A transformers-made checkpoint with 6 routed experts (not a power of two), loaded
     straight into its shards on an expert=2 mesh: the tokens of one device, log-probs

@@ -109,6 +109,7 @@ def test_host_pool_per_host():
     assert p.host_bytes_per_host_at_max == pytest.approx(8 * p.max_batch_offload * per_req)
 
 
+@pytest.mark.e2e
 def test_cli_deepseek_v32_8x8_plan_prints_per_device_fields():
     r = _cli("--config", "configs/deepseek_v32.py", "--mesh", "data=8,expert=8",
              "--hardware", "h200")
@@ -136,6 +137,7 @@ def test_default_mesh_precedence():
     assert choose_mesh(None, 8, True, cfg) == MeshShape(1, 8, 1)      # explicit --ep wins
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("mesh,needle", [("data=8,exprt=8", "exprt"), ("data=0", "data=0"),
                                          ("data=2,data=2", "twice"), ("tensor", "tensor")])
 def test_cli_bad_mesh_is_one_line(mesh, needle):
@@ -144,6 +146,7 @@ def test_cli_bad_mesh_is_one_line(mesh, needle):
     assert err.strip().count("\n") == 0, err
 
 
+@pytest.mark.e2e
 def test_cli_ep_with_mesh_is_refused():
     err = assert_error(_cli("--config", "configs/deepseek_v32.py", "--mesh", "data=8",
                             "--ep", "8"), 2, "--ep=8", "--mesh")

@@ -14,6 +14,8 @@ import openai
 import pytest
 from tests.support.server import TINY_OFFLOAD, server_fixtures
 
+pytestmark = pytest.mark.e2e   # real subprocesses: the e2e tier (pyproject.toml)
+
 PROMPT = [(7 * i + 3) % 250 for i in range(70)]
 
 

@@ -13,6 +13,8 @@ import httpx
 import pytest
 from tests.support.server import TINY_OFFLOAD, server_fixtures
 
+pytestmark = pytest.mark.e2e   # real subprocesses: the e2e tier (pyproject.toml)
+
 PROMPT = [(5 * i + 2) % 250 for i in range(48)]
 IDS = {"return_token_ids": True}
 

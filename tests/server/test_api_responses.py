@@ -301,6 +301,7 @@ CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "
         {"role": "assistant", "content": "hi"}, {"role": "user", "content": "and again"}]
 
 
+@pytest.mark.e2e
 def test_a_string_input(client):
     r = client.responses.create(input="hello", **GREEDY)
     assert r.object == "response" and r.id.startswith("resp_")
@@ -313,6 +314,7 @@ def test_a_string_input(client):
     assert r.usage.total_tokens == r.usage.input_tokens + r.usage.output_tokens
 
 
+@pytest.mark.e2e
 def test_message_items_and_instructions_are_the_chat_conversation(client):
     """The adapter serves the chat route: the same conversation, the same text."""
     r = client.responses.create(input=ITEMS, instructions="be brief", **GREEDY)
@@ -323,6 +325,7 @@ def test_message_items_and_instructions_are_the_chat_conversation(client):
     assert r.instructions == "be brief"
 
 
+@pytest.mark.e2e
 def test_the_stream_ends_in_the_whole_response(client):
     whole = client.responses.create(input=ITEMS, instructions="be brief", **GREEDY)
     evs = list(client.responses.create(input=ITEMS, instructions="be brief", stream=True,
@@ -342,6 +345,7 @@ def test_the_stream_ends_in_the_whole_response(client):
     assert _strip_ids(final.model_dump()) == _strip_ids(whole.model_dump())
 
 
+@pytest.mark.e2e
 def test_max_output_tokens_makes_it_incomplete(client):
     r = client.responses.create(input="hello", temperature=0, max_output_tokens=3)
     assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
@@ -354,6 +358,7 @@ SCHEMA = {"type": "object", "properties": {
     "additionalProperties": False}
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("seed", [1, 2])
 def test_text_format_json_schema(client, seed):
     r = client.responses.create(input="json please", temperature=1.0,
@@ -365,6 +370,7 @@ def test_text_format_json_schema(client, seed):
     assert r.text.format.type == "json_schema"
 
 
+@pytest.mark.e2e
 def test_function_call_output_items_are_the_chat_tool_turn(client):
     items = [{"role": "user", "content": "weather?"},
              {"type": "function_call", "call_id": "call_1", "name": "get_weather",
@@ -389,6 +395,7 @@ BOUNDED = dict(TOOL, parameters={"type": "object", "properties": {
     "additionalProperties": False})
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_forced_tool_call_is_a_function_call_item(client, stream):
     kw = dict(input="weather?", tools=[BOUNDED], temperature=0, max_output_tokens=100,
@@ -408,6 +415,7 @@ def test_a_forced_tool_call_is_a_function_call_item(client, stream):
     jsonschema.validate(json.loads(calls[0].arguments), BOUNDED["parameters"])
 
 
+@pytest.mark.e2e
 def test_refusals_through_the_client(client, server):
     with pytest.raises(openai.NotFoundError) as err:      # stored responses: response_store
         client.responses.create(input="x", previous_response_id="resp_123")
@@ -423,6 +431,7 @@ def test_refusals_through_the_client(client, server):
     assert r.status_code == 400 and r.json()["error"]["code"] == 400
 
 
+@pytest.mark.e2e
 def test_openapi_declares_the_route(server):
     op = httpx.get(f"{server.url}/openapi.json").json()["paths"]["/v1/responses"]["post"]
     props = op["requestBody"]["content"]["application/json"]["schema"]["properties"]
@@ -438,6 +447,7 @@ def _aborted(server) -> float:
     return 0.0
 
 
+@pytest.mark.e2e
 def test_a_client_that_leaves_mid_stream_aborts_its_request(server):
     """Closing the Responses stream closes the chat stream under it: the request ends
     "abort" (its slot comes back), as on the chat route."""

@@ -16,6 +16,8 @@ import jsonschema
 import pytest
 from tests.support.server import TINY_OFFLOAD, server_fixtures
 
+pytestmark = pytest.mark.e2e   # real subprocesses: the e2e tier (pyproject.toml)
+
 SCHEMAS = {
     "nested": {"type": "object", "properties": {
         "name": {"type": "string", "maxLength": 8},

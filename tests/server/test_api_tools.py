@@ -15,6 +15,8 @@ import jsonschema
 import pytest
 from tests.support.server import TINY_OFFLOAD, server_fixtures
 
+pytestmark = pytest.mark.e2e   # real subprocesses: the e2e tier (pyproject.toml)
+
 WEATHER = {"type": "object", "properties": {
     "city": {"type": "string", "maxLength": 12},
     "unit": {"enum": ["c", "f"]}, "days": {"type": "integer", "minimum": 1, "maximum": 9}},

@@ -41,6 +41,7 @@ def starved(tmp_path_factory):
     srv.stop()
 
 
+@pytest.mark.e2e
 def test_starved_server_names_the_hot_buffer(starved, tmp_path):
     proc = _diagnose(f"--url={starved.url}/v1", *PROBE, "--hardware=h200", "--json",
                      f"--out={tmp_path / 'd.json'}")
@@ -68,6 +69,7 @@ def test_starved_server_names_the_hot_buffer(starved, tmp_path):
     assert m["gauges"]["jlco_leaked_pages"]["last"] == 0
 
 
+@pytest.mark.e2e
 def test_no_traffic_is_said(starved):
     proc = _diagnose(f"--url={starved.url}", "--interval_s=0.5")
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -116,6 +118,7 @@ def test_quantile_and_findings_on_made_up_numbers():
     (["--url=http://127.0.0.1:1", "--nope"], "nope"),
     (["--url=http://127.0.0.1:1", "--interval_s=0.1"], "cannot reach http://127.0.0.1:1"),
 ])
+@pytest.mark.e2e
 def test_bad_input_is_one_line(args, needle):
     proc = _diagnose(*args, timeout=60)
     err = assert_error(proc, 2, "jlco.diagnose: error:", needle)

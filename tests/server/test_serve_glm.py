@@ -15,6 +15,8 @@ import pytest
 from tests.support.cli import tiny_model_config
 from tests.support.server import ServerProcess
 
+pytestmark = pytest.mark.e2e   # real subprocesses: the e2e tier (pyproject.toml)
+
 torch = pytest.importorskip("torch")
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]

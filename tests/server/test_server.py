@@ -17,6 +17,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from tests.support.server import ROOT, TINY_OFFLOAD, ServerProcess
 
+pytestmark = pytest.mark.e2e   # real subprocesses: the e2e tier (pyproject.toml)
+
 TIMEOUT = httpx.Timeout(300.0)
 PROMPT_IDS = [(5 * i + 3) % 250 for i in range(80)]   # longer than one 64-token chunk
 

@@ -19,6 +19,7 @@ KEY = "s3cret"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
+@pytest.mark.e2e
 def test_loading_auth_queue_full_and_sigterm_drain():
     srv = ServerProcess(*TINY_OFFLOAD, "--api_key", KEY, "--grace_s", "1",
                         "--override", "serve.max_queue=1", "--override",
@@ -146,6 +147,7 @@ def test_chat_completions_through_the_checkpoint_template(tmp_path):
         assert srv.stop() == 0, srv.stderr[-3000:]
 
 
+@pytest.mark.e2e
 def test_host_watermark_soak_refuses_or_serves_every_request():
     """Long prompts push the host pool past serve.host_high_watermark: admission pauses
     (/health 503), the bounded queue answers 429 beyond its size, every request is either
@@ -183,6 +185,7 @@ def test_host_watermark_soak_refuses_or_serves_every_request():
     assert "Traceback" not in srv.stderr
 
 
+@pytest.mark.e2e
 def test_sigterm_answers_503_until_the_port_closes():
     """While a SIGTERM drains a running stream the port stays open: a new request gets
     503 in the error shape; the drain line says what happened; exit 0."""
@@ -224,6 +227,7 @@ def test_sigterm_answers_503_until_the_port_closes():
         assert "drained: 1 running request(s) finished in" in srv.stderr, srv.stderr[-2000:]
 
 
+@pytest.mark.e2e
 def test_an_idle_server_stops_at_once():
     srv = ServerProcess(*TINY_OFFLOAD)
     t0 = time.monotonic()

@@ -75,6 +75,7 @@ def other_weights():
     base.stop()
 
 
+@pytest.mark.e2e
 def test_mismatch_is_detected_and_named(other_weights, tmp_path):
     on, base = other_weights
     proc = _validate(f"--url={on.url}/v1", f"--baseline_url={base.url}", "--topk=32",
@@ -91,6 +92,7 @@ def test_mismatch_is_detected_and_named(other_weights, tmp_path):
     assert len(rep["stability"]) == 2 and all(not s["failures"] for s in rep["stability"])
 
 
+@pytest.mark.e2e
 def test_topk_read_from_the_servers_models_route(other_weights, tmp_path):
     # Without --config or --topk, the top-k length comes from GET /v1/models' index_topk
     # (tiny: 32); the two servers hold different weights, so it is a mismatch (exit 1).
@@ -118,6 +120,7 @@ def test_topk_read_from_the_servers_models_route(other_weights, tmp_path):
     (["--url=http://127.0.0.1:1", "--baseline_url=http://127.0.0.1:2", "--topk=32"],
      "cannot reach http://127.0.0.1:"),
 ])
+@pytest.mark.e2e
 def test_bad_input_is_one_line(args, needle, tmp_path):
     proc = _validate(*args, f"--out={tmp_path}", timeout=60)
     err = assert_error(proc, 2, "jlco.validate: error:", needle)

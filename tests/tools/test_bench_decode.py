@@ -27,6 +27,7 @@ def _bench(*args, cwd=ROOT, timeout=170):
                           cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
 
 
+@pytest.mark.e2e
 def test_bench_decode_runs_and_reports(tmp_path):
     proc = _bench("--contexts=512", "--steps=2", "--warmup=1", "--layers=1", "--topk=32",
                   "--device_budget_gb=0.006", f"--out={tmp_path}")
@@ -62,6 +63,7 @@ def test_bench_decode_runs_and_reports(tmp_path):
     assert c["same_batch_step_ratio"] > 0 and c["tokens_per_s_ratio"] > 0
 
 
+@pytest.mark.e2e
 def test_sweep_small_writes_json_and_png_from_outside_the_repository(tmp_path):
     """--small --sweep_contexts, run from another directory (configs/ found in the
     repository), --json on stdout, JSON + PNG in --out."""
@@ -88,6 +90,7 @@ def test_sweep_small_writes_json_and_png_from_outside_the_repository(tmp_path):
     assert not list(tmp_path.glob("out"))                  # nothing written to cwd/out
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("args, needle", [
     (["--impl=pallas"], "use --impl=interpret (Pallas interpret mode, slow) or --impl=xla"),
     (["--steps=x"], "--steps"),

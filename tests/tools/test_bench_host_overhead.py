@@ -3,7 +3,10 @@ host time, host share and roofline ratio; bad flags are one line."""
 
 import json
 
+import pytest
 from tests.support.cli import ROOT, assert_error, run
+
+pytestmark = pytest.mark.e2e   # real subprocesses: the e2e tier (pyproject.toml)
 
 
 def test_reports_host_share_and_roofline(tmp_path):

@@ -5,7 +5,10 @@ hot buffer really misses (prompts longer than it); bad flags are one line."""
 import json
 import statistics
 
+import pytest
 from tests.support.cli import ROOT, assert_error, run
+
+pytestmark = pytest.mark.e2e   # real subprocesses: the e2e tier (pyproject.toml)
 
 
 def test_interleaved_offload_ratio(tmp_path):

@@ -4,7 +4,10 @@ flags are one line."""
 
 import json
 
+import pytest
 from tests.support.cli import ROOT, assert_error, run
+
+pytestmark = pytest.mark.e2e   # real subprocesses: the e2e tier (pyproject.toml)
 
 
 def test_rows_have_time_rss_and_roofline(tmp_path):

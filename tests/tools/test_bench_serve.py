@@ -28,6 +28,7 @@ def server():
     srv.stop()
 
 
+@pytest.mark.e2e
 def test_load_reports_every_request(server, tmp_path):
     proc = _bench(f"--url={server.url}/v1", "--num_clients=3", "--num_requests=3",
                   "--prompt_len=20", "--max_tokens=4", f"--out={tmp_path}", "--json")
@@ -59,6 +60,7 @@ def test_load_reports_every_request(server, tmp_path):
     assert run["server_step"]["count"] > 0 and run["server_step"]["mean_s"] > 0
 
 
+@pytest.mark.e2e
 def test_long_prompt_measures_both_windows(server, tmp_path):
     proc = _bench(f"--url={server.url}", "--scenario=long_prompt", "--num_clients=2",
                   "--prompt_len=20", "--long_prompt_len=200", "--long_prompts=1",
@@ -89,6 +91,7 @@ def test_long_prompt_measures_both_windows(server, tmp_path):
     (["--config=configs/tiny.py", "--override=engine.nope=1"],
      "server exited with 2: jlco.serve: error: --override='engine.nope=1'"),
 ])
+@pytest.mark.e2e
 def test_bad_input_is_one_line(args, needle, tmp_path):
     proc = _bench(*args, f"--out={tmp_path}", timeout=60)
     err = assert_error(proc, 2, "bench_serve: error:", needle)

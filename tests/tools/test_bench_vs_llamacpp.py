@@ -21,6 +21,7 @@ def _bench(*args, timeout=600):
                           cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
 
 
+@pytest.mark.e2e
 def test_bad_contexts_flag_is_named():
     proc = _bench("--contexts=2k")
     assert proc.returncode == 2
@@ -66,6 +67,7 @@ def _run_json(path, context, gbps, kv_type="f32"):
     return str(path)
 
 
+@pytest.mark.e2e
 def test_merge_keeps_each_runs_machine(tmp_path):
     a, b = _run_json(tmp_path / "a.json", 2048, 23.9), _run_json(tmp_path / "b.json", 8192, 21.0)
     proc = _bench(f"--merge={a},{b}", f"--out={tmp_path / 'all'}")
@@ -78,6 +80,7 @@ def test_merge_keeps_each_runs_machine(tmp_path):
     assert (tmp_path / "all" / "vs_llamacpp.png").stat().st_size > 0
 
 
+@pytest.mark.e2e
 def test_merge_refuses_runs_that_differ(tmp_path):
     a = _run_json(tmp_path / "a.json", 2048, 23.9)
     b = _run_json(tmp_path / "b.json", 8192, 21.0, kv_type="f16")
@@ -87,6 +90,7 @@ def test_merge_refuses_runs_that_differ(tmp_path):
     assert proc.returncode == 2 and "cannot read" in proc.stderr
 
 
+@pytest.mark.e2e
 def test_bad_child_spec_is_named():
     proc = _bench("--child=vllm:2048:1:/tmp")
     assert proc.returncode == 2 and "--child=vllm:2048:1:/tmp: allowed ENGINE" in proc.stderr

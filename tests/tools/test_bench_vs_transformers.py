@@ -4,7 +4,10 @@ the greedy tokens agree per prompt, and the PNG is written; a bad --batch is one
 
 import json
 
+import pytest
 from tests.support.cli import ROOT, assert_error, run
+
+pytestmark = pytest.mark.e2e   # real subprocesses: the e2e tier (pyproject.toml)
 
 
 def test_batch_prefill_against_transformers(tmp_path):

@@ -23,6 +23,7 @@ def test_script_parses():
     assert subprocess.run(["bash", "-n", str(SCRIPT)]).returncode == 0
 
 
+@pytest.mark.e2e
 def test_spent_budget_skips_and_records_every_step(tmp_path):
     proc = _run(tmp_path, 30, DEVICE_CHECK_BUDGET_S="0")
     assert proc.returncode == 1, proc.stderr[-2000:]

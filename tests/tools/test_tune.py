@@ -81,6 +81,7 @@ def test_pick_respects_tpot_limit_and_check_tokens():
         tune.check_tokens({"trials": trials + [_trial(50, 1, 1, match=False)]})
 
 
+@pytest.mark.e2e
 def test_cli_end_to_end(tmp_path):
     """Real engines on a 2-layer model: the offload candidate's tokens equal the
     offload-off reference, in-jit fetch from a file pool is reported unsupported (and not
