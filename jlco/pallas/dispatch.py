@@ -119,8 +119,11 @@ def indexer_topk(q, weights, k_cache, lengths, topk, *, k_scale=None, key_format
     see `jlco.pallas.indexer` for the contract (`fresh`: `indexer_topk_ref`; a kernel
     is given the cache with the fresh keys written, `write_fresh`)."""
     _check_impl(impl)
+    # XLA everywhere but the kernels' platforms; on a CPU backend the reference's stream
+    # with the native kernels' scores and top-k (`native_cpu`), chosen here only.
     ref = functools.partial(ixr.indexer_topk_ref, q, weights, k_cache, lengths, topk,
-                            k_scale=k_scale, key_format=key_format, fresh=fresh)
+                            k_scale=k_scale, key_format=key_format, fresh=fresh,
+                            native_cpu=True)
     if impl == "xla":
         return ref()
     backend = {"cuda": "triton", "tpu": "mosaic", "cpu": "triton"}

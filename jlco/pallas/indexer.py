@@ -295,15 +295,17 @@ def indexer_scores(q, weights, k_cache, lengths, *, k_scale=None, key_format="bf
             default=lambda: run("triton", "cpu", True))
 
 
-def select_topk(scores, topk):
+def select_topk(scores, topk, native_cpu: bool = False):
     """Top-k positions per query; -1 / -inf where fewer than `topk` keys are visible.
-    `lax.top_k` orders by descending score and breaks ties by lower position."""
+    `lax.top_k` orders by descending score and breaks ties by lower position; with
+    `native_cpu` a CPU backend runs `jlco.native.top_k` (the same result, bit for bit),
+    without it `lax.top_k` itself (the plain-jnp reference)."""
     b, s_q, length = scores.shape
     if topk > length:
         scores = jnp.pad(scores, ((0, 0), (0, 0), (0, topk - length)),
                          constant_values=NEG_INF)
     with jax.named_scope("indexer_select"):
-        vals, idx = native.top_k(scores, topk)
+        vals, idx = native.top_k(scores, topk) if native_cpu else jax.lax.top_k(scores, topk)
     valid = vals > NEG_INF
     return jnp.where(valid, idx, -1).astype(jnp.int32), jnp.where(valid, vals, NEG_INF)
 
@@ -321,4 +323,4 @@ def indexer_topk(q, weights, k_cache, lengths, topk, *, k_scale=None, key_format
     scores = indexer_scores(q, weights, k_cache, lengths, k_scale=k_scale,
                             key_format=key_format, block_n=block_n, backend=backend,
                             interpret=interpret)
-    return select_topk(scores, topk)
+    return select_topk(scores, topk, native_cpu=True)

@@ -4,6 +4,12 @@ tested against. Scores are formed a key block at a time with a running top-k, so
 stays one block's logits whatever the context; decode steps may pass their own new keys
 as `fresh` (scored from them, not from the cache), so XLA:CPU can read the key cache in
 place before the step writes it.
+
+Plain jnp by default: the kernels (and the native XLA:CPU kernels) are checked against
+it. `native_cpu=True` is the serving path on a CPU backend, which `jlco.pallas.dispatch`
+chooses: the same stream with a decode step's scores and every top-k merge in
+`jlco.native`'s kernels (the top-k bit for bit `lax.top_k`'s; the scores within f32
+rounding of the einsums).
 """
 
 from __future__ import annotations
@@ -103,27 +109,33 @@ def _raw_scores(qc, wf, kb, sb, s_q):
                       precision=jax.lax.Precision.HIGHEST)
 
 
-def _scores(qc, wf, kb, sb, s_q, cdt):
-    """`_raw_scores` of keys kb in their storage dtype: a decode step's bf16 / f32 keys on
-    CPU go to the native kernel (`jlco.native.indexer_scores`: the heads in vector lanes,
-    2-3x XLA's two einsums), everything else to `_raw_scores`."""
-    if sb is None and s_q < REF_CHUNK_MIN_S and native.indexer_scores_supported(qc, kb):
+def _scores(qc, wf, kb, sb, s_q, cdt, native_cpu=False):
+    """`_raw_scores` of keys kb in their storage dtype; with `native_cpu` a decode step's
+    bf16 / f32 keys go to the native kernel (`jlco.native.indexer_scores`: the heads in
+    vector lanes, 2-3x XLA's two einsums)."""
+    if native_cpu and sb is None and s_q < REF_CHUNK_MIN_S and \
+            native.indexer_scores_supported(qc, kb):
         return native.indexer_scores(qc, wf, kb)
     return _raw_scores(qc, wf, kb.astype(cdt), sb, s_q)
 
 
-def _fresh_scores(ops, fresh):
+def _top_k(x, k, native_cpu=False):
+    """`lax.top_k`, or with `native_cpu` the native kernel's (bit for bit the same)."""
+    return native.top_k(x, k) if native_cpu else jax.lax.top_k(x, k)
+
+
+def _fresh_scores(ops, fresh, native_cpu=False):
     """(scores [b, s_q, s] of the fresh keys, their positions [b, s]) or None."""
     if fresh is None:
         return None
     qc, wf, _, cdt = ops
     keys, scale, positions = fresh
     sb = None if scale is None else scale.astype(jnp.float32)
-    return (_scores(qc, wf, _float_keys(keys), sb, qc.shape[1], cdt),
+    return (_scores(qc, wf, _float_keys(keys), sb, qc.shape[1], cdt, native_cpu),
             positions.astype(jnp.int32))
 
 
-def _ref_block_scores(ops, k_scale, lengths, lo, width, s_q, fresh=None):
+def _ref_block_scores(ops, k_scale, lengths, lo, width, s_q, fresh=None, native_cpu=False):
     """Masked scores [b, s_q, width] f32 of keys lo .. lo+width (lo may be traced);
     `fresh` (`_fresh_scores`): those positions take the fresh keys' scores."""
     qc, wf, k, cdt = ops
@@ -131,7 +143,7 @@ def _ref_block_scores(ops, k_scale, lengths, lo, width, s_q, fresh=None):
     sb = None
     if k_scale is not None:
         sb = jax.lax.dynamic_slice_in_dim(k_scale, lo, width, axis=1).astype(jnp.float32)
-    scores = _scores(qc, wf, kb, sb, s_q, cdt)
+    scores = _scores(qc, wf, kb, sb, s_q, cdt, native_cpu)
     cols = lo + jnp.arange(width)
     if fresh is not None:
         f_scores, f_pos = fresh
@@ -157,18 +169,18 @@ def indexer_scores_ref(q, weights, k_cache, lengths, *, k_scale=None, key_format
                             for lo in range(0, length, blk)], axis=-1)
 
 
-def _merge_block(carry, scores, lo, topk):
+def _merge_block(carry, scores, lo, topk, native_cpu=False):
     """Running top-k (vals, positions) merged with one block's scores [b, s_q, w]. The
     running entries come first and hold lower positions, and `lax.top_k` keeps the
     lower index of equal values, so the order is the whole row's: descending score,
     ties to the lower position."""
     vals, idx = carry
     pos = jnp.broadcast_to(lo + jnp.arange(scores.shape[-1], dtype=jnp.int32), scores.shape)
-    v, j = native.top_k(jnp.concatenate([vals, scores], axis=-1), topk)
+    v, j = _top_k(jnp.concatenate([vals, scores], axis=-1), topk, native_cpu)
     return v, jnp.take_along_axis(jnp.concatenate([idx, pos], axis=-1), j, axis=-1)
 
 
-def _stream_topk(ops, k_scale, lengths, topk, length, blk, s_q, fresh):
+def _stream_topk(ops, k_scale, lengths, topk, length, blk, s_q, fresh, native_cpu=False):
     """Top-k over the key blocks with a running top-k: memory is one block's logits and
     scores, whatever the context (a 4096-query chunk over 128K keys would otherwise
     hold a [4096, 128K] score row, and XLA:CPU kept every block's logits live at once)."""
@@ -178,8 +190,8 @@ def _stream_topk(ops, k_scale, lengths, topk, length, blk, s_q, fresh):
 
     def body(i, c):
         lo = i * blk
-        return _merge_block(c, _ref_block_scores(ops, k_scale, lengths, lo, blk, s_q, fresh),
-                            lo, topk)
+        return _merge_block(c, _ref_block_scores(ops, k_scale, lengths, lo, blk, s_q, fresh,
+                                                 native_cpu), lo, topk, native_cpu)
 
     # Blocks wholly past every request's length hold no visible key: skipped (the scan
     # bucket can be twice the longest context).
@@ -190,8 +202,8 @@ def _stream_topk(ops, k_scale, lengths, topk, length, blk, s_q, fresh):
     if length % blk:
         lo = n_full * blk
         carry = jax.lax.cond(longest > lo, lambda c: _merge_block(
-            c, _ref_block_scores(ops, k_scale, lengths, lo, length - lo, s_q, fresh), lo,
-            topk),
+            c, _ref_block_scores(ops, k_scale, lengths, lo, length - lo, s_q, fresh,
+                                 native_cpu), lo, topk, native_cpu),
             lambda c: c, carry)
     vals, idx = carry
     valid = vals > NEG_INF
@@ -199,9 +211,10 @@ def _stream_topk(ops, k_scale, lengths, topk, length, blk, s_q, fresh):
 
 
 @functools.partial(jax.jit, static_argnames=("topk", "key_format", "block_n", "backend",
-                                             "interpret"))
+                                             "interpret", "native_cpu"))
 def indexer_topk_ref(q, weights, k_cache, lengths, topk, *, k_scale=None, key_format="bf16",
-                     block_n=None, backend="auto", interpret=False, fresh=None):
+                     block_n=None, backend="auto", interpret=False, fresh=None,
+                     native_cpu=False):
     """Plain-jnp reference of `indexer_topk` (same contract; block/backend args ignored).
     One key block: the whole score row and `select_topk`; more: streamed blocks with a
     running top-k (`_stream_topk`), the same positions and scores.
@@ -210,7 +223,8 @@ def indexer_topk_ref(q, weights, k_cache, lengths, topk, *, k_scale=None, key_fo
     positions [b, s]): the keys at those positions, whether or not k_cache holds them
     yet (`write_fresh`); their scores come from `fresh`. A decode step scores the cache
     as it was before its own keys are written, so XLA:CPU reads the cache buffer in
-    place and then updates it in place (see `jlco.model.mla`)."""
+    place and then updates it in place (see `jlco.model.mla`). `native_cpu`: the CPU
+    serving path's native kernels (module docstring)."""
     del block_n, backend, interpret
     validate(q, weights, k_cache, lengths, topk, k_scale, key_format)
     _validate_fresh(fresh, k_cache)
@@ -220,10 +234,11 @@ def indexer_topk_ref(q, weights, k_cache, lengths, topk, *, k_scale=None, key_fo
     scale = k_scale if key_format == "fp8" else None
     blk = ref_key_block(s_q, heads, length, topk)
     with jax.named_scope("indexer_topk_ref"):
-        f = _fresh_scores(ops, fresh)
+        f = _fresh_scores(ops, fresh, native_cpu)
         if blk >= length:
-            return select_topk(_ref_block_scores(ops, scale, lengths, 0, length, s_q, f), topk)
-        return _stream_topk(ops, scale, lengths, topk, length, blk, s_q, f)
+            return select_topk(_ref_block_scores(ops, scale, lengths, 0, length, s_q, f,
+                                                 native_cpu), topk, native_cpu)
+        return _stream_topk(ops, scale, lengths, topk, length, blk, s_q, f, native_cpu)
 
 
 def _validate_fresh(fresh, k_cache):

@@ -200,3 +200,23 @@ def test_chunk_scores_in_tiles_equal_one_einsum(key_format):
     plain = jnp.where(jnp.arange(700)[None, None, :] <= p, plain, -jnp.inf)
     np.testing.assert_array_equal(np.isinf(tiled), np.isinf(plain))
     chex.assert_trees_all_close(tiled, plain, rtol=1e-5, atol=1e-5)
+
+
+def test_the_reference_runs_no_native_kernel_and_the_cpu_path_does():
+    """The kernels are checked against `indexer_topk_ref`: it must not itself run the
+    native XLA:CPU kernels (`jlco.native`) those checks also cover; the CPU serving path
+    (`native_cpu=True`, chosen by `jlco.pallas.dispatch`) does, with the same result."""
+    from jlco import native
+    q, w, k, _ = _inputs(3, b=2, s_q=1, h=8, d=32, length=600, key_format="f32")
+    lengths = jnp.asarray([600, 250], jnp.int32)
+
+    def hlo(native_cpu):
+        return ixr.indexer_topk_ref.lower(q, w, k, lengths, 64,
+                                          native_cpu=native_cpu).as_text()
+    assert native.TOP_K not in hlo(False) and native.INDEXER_SCORES not in hlo(False)
+    if native.available():
+        assert native.TOP_K in hlo(True)
+    plain = ixr.indexer_topk_ref(q, w, k, lengths, 64)
+    served = ixr.indexer_topk_ref(q, w, k, lengths, 64, native_cpu=True)
+    np.testing.assert_array_equal(np.asarray(plain[0]), np.asarray(served[0]))
+    np.testing.assert_allclose(np.asarray(plain[1]), np.asarray(served[1]), rtol=1e-6)
