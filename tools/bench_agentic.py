@@ -125,6 +125,13 @@ async def run(url: str, trace: dict) -> list[dict]:
     return out
 
 
+def replies_equal(targets: list[dict]) -> bool:
+    """Every (server, route) run gave the same replies: greedy, and reuse is exact."""
+    runs = [[[t["reply"] for t in s["turns"]] for s in r["sessions"]]
+            for x in targets for r in x["routes"]]
+    return all(run == runs[0] for run in runs)
+
+
 def _ms(s: dict) -> str:
     return "-" if s["p50"] is None else f"{s['p50'] * 1e3:.0f}"
 
@@ -145,6 +152,7 @@ def table(targets: list[dict]) -> str:
         cells = [f"{_ms(r['per_turn'][i]['ttft_s'])} / {r['per_turn'][i]['cached_tokens']:.0f}"
                  for _, r in cols]
         lines.append(f"{i} | {row['prompt_tokens']:.0f} | " + " | ".join(cells))
+    lines.append(f"replies equal over every server and route: {replies_equal(targets)}")
     return "\n".join(lines)
 
 
@@ -186,11 +194,12 @@ def main(argv) -> int:
     names = ("routes", "trace", "num_sessions", "min_turns", "max_turns", "min_context",
              "max_context", "output_tokens", "concurrency", "seed", "config", "override")
     report = dict(flags={k: FLAGS[k].value for k in names}, machine=loadgen.machine(),
-                  sessions={n: len(t) for n, t in trace.items()}, targets=targets)
+                  sessions={n: len(t) for n, t in trace.items()}, targets=targets,
+                  replies_equal=replies_equal(targets))
     atomic.write_text(out / "bench_agentic.json", json.dumps(report, indent=1))
     plot(targets, out / "bench_agentic.png")
     print(table(targets))
-    return 0
+    return 0 if report["replies_equal"] else 1
 
 
 if __name__ == "__main__":

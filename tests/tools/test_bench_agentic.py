@@ -131,7 +131,8 @@ def test_replay_through_every_route(app, tmp_path):
     targets = [{"label": "server", "routes": [
         dict(tool.summarize(route, runs[route]), duration_s=1.0) for route in runs]}]
     text = tool.table(targets)
-    assert "server | messages |" in text and text.count("\n") == 2 + 3 + 2 + 3 - 1
+    assert "server | messages |" in text and text.count("\n") == 2 + 3 + 2 + 3
+    assert "replies equal over every server and route: True" in text
     tool.plot(targets, tmp_path / "a.png")
     assert (tmp_path / "a.png").stat().st_size > 0
 
