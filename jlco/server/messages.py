@@ -136,7 +136,7 @@ ERROR_SCHEMA = {"type": "object", "required": ["type", "error"], "properties": {
 
 def _error_schemas(extra: dict) -> dict:
     """`route_extra`'s error responses in Anthropic's shape (what these routes send)."""
-    for code, resp in extra["responses"].items():
+    for resp in extra["responses"].values():
         resp["content"] = {"application/json": {"schema": ERROR_SCHEMA}}
     return extra
 
