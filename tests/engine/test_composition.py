@@ -5,8 +5,8 @@ fetch, host-driven fetch} × {async scheduling on, off}: the engine workload (gr
 tiny f32 model with its MTP layer, requests joining as others leave) must emit exactly
 the tokens of one device, no drafts, offload off, synchronous steps, with log-probs
 within f32 summation-order noise (a mesh or a verify step of 1 + n rows may order some
-sums differently), every request finished and every page back. The default tier runs a
-pairwise-covering subset (`composition.PAIRWISE`); the slow tier all 54 combinations,
+sums differently), every request finished and every page back. All in the slow tier (long
+on 2 CPU cores): a pairwise-covering subset (`composition.PAIRWISE`), all 54 combinations,
 and the pairwise subset on the bf16 model (log-probs within BF16_LOGPROB_ATOL).
 Each group runs in a subprocess with 2 forced CPU devices (tests/support/composition.py).
 """
@@ -65,6 +65,7 @@ def _check(reference, combos, atol=LOGPROB_ATOL) -> None:
                 and ("MTP" in where) == (drafts > 0)), where
 
 
+@pytest.mark.slow   # long on 2 CPU cores: the slow tier (pyproject.toml)
 @pytest.mark.parametrize("mesh", list(composition.MESHES))
 def test_pairwise_combinations_give_the_plain_tokens(reference, mesh):
     _check(reference, [c for c in composition.PAIRWISE if c[0] == mesh])

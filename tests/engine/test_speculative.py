@@ -283,6 +283,7 @@ def test_errors_name_the_field(model):
         Engine(BASE.replace(engine__num_draft_tokens=1), model, trace_path="/tmp/x.trc")
 
 
+@pytest.mark.slow   # long on 2 CPU cores: the slow tier (pyproject.toml)
 @pytest.mark.parametrize("n", [1, 2])
 def test_mtp_host_driven_exact(model, prompts, greedy, n):
     """The host-driven fetch path (every attention block, the MTP block's included, as

@@ -49,6 +49,7 @@ def test_decode_scans_are_every_step_bucket(s_q):
     assert set(warmup.decode_scans(max_len, s_q)) == want
 
 
+@pytest.mark.slow   # long on 2 CPU cores: the slow tier (pyproject.toml)
 def test_no_request_compiles_after_warm_up(model):
     cfg = BASE.replace(cache__offload=True, cache__kv_format="fp8",
                        cache__indexer_key_format="fp8", engine__max_context_len=1100,

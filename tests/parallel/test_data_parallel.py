@@ -164,6 +164,7 @@ _SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow   # long on 2 CPU cores: the slow tier (pyproject.toml)
 def test_engine_with_data_parallel_attention_equals_one_device():
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
            "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
@@ -224,6 +225,7 @@ _PREFIX_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow   # long on 2 CPU cores: the slow tier (pyproject.toml)
 def test_a_prefix_is_shared_across_data_ranks():
     """One prefix cache per engine process: requests on either data rank reuse a prompt
     prefilled on one of them, with the tokens of a one-device engine without reuse."""

@@ -221,7 +221,8 @@ def test_expert_parallel_lowers_for_cuda_and_tpu():
     assert all(int(a2a) == 3 and int(rd) > 0 for _, a2a, rd in lines), lines
 
 
-@pytest.mark.parametrize("devices,offload", [(2, True), pytest.param(4, True, marks=pytest.mark.slow),
+@pytest.mark.parametrize("devices,offload", [pytest.param(2, True, marks=pytest.mark.e2e),
+                                             pytest.param(4, True, marks=pytest.mark.slow),
                                              pytest.param(2, False, marks=pytest.mark.slow)])
 def test_tiny_expert_parallel_equals_one_device(prompts, tiny_reference, devices, offload):
     """(The reference ran offloaded; offload off gives the same results on one device.)"""
@@ -234,7 +235,8 @@ def test_tiny_expert_parallel_on_8_devices(prompts, tiny_reference):
     _assert_same(_generate(prompts, 8, "--mesh", "data=1,expert=8,tensor=1"), tiny_reference)
 
 
-@pytest.mark.parametrize("devices", [2, pytest.param(3, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("devices", [pytest.param(2, marks=pytest.mark.e2e),
+                                     pytest.param(3, marks=pytest.mark.slow)])
 def test_six_experts_expert_parallel_equals_one_device(prompts, six_experts, six_reference,
                                                        devices):
     got = _generate(prompts, devices, "--config", str(six_experts), "--mesh", f"expert={devices}")
@@ -267,7 +269,8 @@ def test_experts_must_divide_over_the_mesh(six_experts):
 
 
 @pytest.mark.parametrize("devices,mesh", [
-    (2, "data=2"), pytest.param(4, "data=2,expert=2", marks=pytest.mark.slow),
+    pytest.param(2, "data=2", marks=pytest.mark.e2e),
+    pytest.param(4, "data=2,expert=2", marks=pytest.mark.slow),
     pytest.param(4, "data=4", marks=pytest.mark.slow)])
 def test_data_parallel_attention_equals_one_device(prompts, tiny_reference, devices, mesh):
     """Three prompts over data ranks (batch rounded up to a multiple of mesh.data): each

@@ -88,6 +88,7 @@ def test_planner_batch_equals_engine_batch(model, offload, budget):
     assert fits(admitted) and not fits(admitted + 1)
 
 
+@pytest.mark.slow   # long on 2 CPU cores: the slow tier (pyproject.toml)
 def test_offload_admits_more_and_engine_admits_the_planned_batch(model):
     budget = BUDGETS[0]
     batches = {off: plan.max_batch(TINY, budget, offload=off, weight_format="f32")
