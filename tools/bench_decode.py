@@ -26,7 +26,8 @@ default 1) and fixed top-k, beside the roofline (PNG: ms vs context, log x).
 
 Results go to --out (a directory, default out/ in the repository): bench_decode.json and
 .png (sweep: bench_decode_sweep.*); --json prints the JSON on stdout (table on stderr).
-Roofline limits: on CPU --mem_gbps / --peak_gflops (defaults measured on a 2-core box);
+Roofline limits: on CPU --mem_gbps / --peak_gflops (default: measured on this machine,
+`jlco.planning.probe`, cached per machine);
 on an accelerator the `jlco.planning.hardware` profile of its device kind (--hardware).
 
 Queries are made to correlate step to step (as a trained model's do) by giving every
@@ -108,10 +109,10 @@ def define_flags() -> None:
     flags.DEFINE_string("hardware", "auto", "roofline limits: auto (cpu, or the profile of "
                         "the accelerator's device kind), cpu (--mem_gbps/--peak_gflops), or "
                         "a jlco.planning.hardware key: " + ", ".join(HARDWARE))
-    flags.DEFINE_float("mem_gbps", roofline.CPU_MEM_GBPS, "CPU memory bandwidth, GB/s "
-                       "(roofline on cpu)")
-    flags.DEFINE_float("peak_gflops", roofline.CPU_PEAK_GFLOPS, "CPU peak GFLOP/s "
-                       "(roofline on cpu)")
+    flags.DEFINE_float("mem_gbps", None, "CPU memory bandwidth, GB/s "
+                       "(roofline on cpu; default: measured on this machine)")
+    flags.DEFINE_float("peak_gflops", None, "CPU peak GFLOP/s "
+                       "(roofline on cpu; default: measured on this machine)")
 
 
 def _say(msg: str) -> None:
@@ -227,8 +228,8 @@ def pick_machine() -> roofline.Machine:
     key = roofline.profile_for_device_kind(dev.device_kind)
     if key is None:
         cli.warn(PROG, f"no hardware profile for device kind {dev.device_kind!r}: the "
-                 f"roofline uses --mem_gbps={FLAGS.mem_gbps} / --peak_gflops="
-                 f"{FLAGS.peak_gflops} (pass --hardware=KEY)")
+                 "roofline uses this host's CPU figures (--mem_gbps / --peak_gflops, else "
+                 "measured; pass --hardware=KEY)")
         return roofline.cpu_machine(FLAGS.mem_gbps, FLAGS.peak_gflops)
     return roofline.hardware_machine(key)
 
@@ -542,6 +543,8 @@ def check_flags():
     for name, lo, hi in (("device_budget_gb", 0.0, float("inf")), ("ram_fraction", 0.0, 1.0),
                          ("mem_gbps", 0.0, float("inf")), ("peak_gflops", 0.0, float("inf"))):
         v = getattr(FLAGS, name)
+        if v is None and name in ("mem_gbps", "peak_gflops"):
+            continue     # measured on this machine
         if not lo < v <= hi:
             raise ValueError(f"--{name}={v}: allowed a number in ({lo}, {hi}]")
     if not 0.0 <= FLAGS.embed_common <= 1.0:

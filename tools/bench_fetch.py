@@ -70,8 +70,8 @@ def define_flags() -> None:
     flags.DEFINE_string("out", None, "output directory for bench_fetch.json (default: out/ "
                         "in the repository)")
     flags.DEFINE_bool("json", False, "print the JSON on stdout (the table goes to stderr)")
-    flags.DEFINE_float("mem_gbps", roofline.CPU_MEM_GBPS, "CPU memory bandwidth, GB/s (the "
-                       "'link' on cpu)")
+    flags.DEFINE_float("mem_gbps", None, "CPU memory bandwidth, GB/s (the "
+                       "'link' on cpu; default: measured on this machine)")
 
 
 def _median_s(fn, iters):
@@ -202,7 +202,9 @@ def bench_write(pool, n, iters, rng):
 def _link_gbps(dev) -> tuple[float | None, str]:
     """The host link's GB/s per direction the fetch rates are compared to."""
     if dev.platform == "cpu":
-        return FLAGS.mem_gbps, "--mem_gbps (CPU: host and device are the same RAM)"
+        m = roofline.cpu_machine(FLAGS.mem_gbps, 1.0)   # the peak is not used here
+        return m.mem_bw / 1e9, ("--mem_gbps" if FLAGS.mem_gbps else m.source) + \
+            " (CPU: host and device are the same RAM)"
     key = roofline.profile_for_device_kind(dev.device_kind)
     if key is None:
         return None, f"unknown device kind {dev.device_kind!r}"
@@ -225,8 +227,9 @@ def _check_flags() -> pathlib.Path:
         if path not in ("in_jit", "host_driven") or not sep or not chunk.isdigit():
             raise ValueError(f"--paths: {spec!r} is invalid: allowed in_jit:N or "
                              "host_driven:N (N = chunk rows, 0 = one padded gather)")
-    if not FLAGS.mem_gbps > 0:
-        raise ValueError(f"--mem_gbps={FLAGS.mem_gbps}: allowed a positive number")
+    if FLAGS.mem_gbps is not None and not FLAGS.mem_gbps > 0:
+        raise ValueError(f"--mem_gbps={FLAGS.mem_gbps}: allowed a positive number (or none: "
+                         "measured on this machine)")
     out = pathlib.Path(FLAGS.out).expanduser() if FLAGS.out else REPO / "out"
     if out.suffix == ".json":
         raise ValueError(f"--out={FLAGS.out}: takes a directory (the JSON is written to "

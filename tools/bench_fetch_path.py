@@ -8,7 +8,7 @@ Results: a table on stdout and bench_fetch_path.json in --out (a directory, defa
 in the repository); --json prints the JSON on stdout instead (table on stderr). Each
 path's step time comes with two ratios: `roofline_fraction` (the step's roofline time,
 `jlco.planning.roofline`, over the measured median: CPU limits from --mem_gbps /
---peak_gflops, accelerators from their hardware profile) and host_driven over in_jit.
+--peak_gflops (default: measured on this machine), accelerators from their hardware profile) and host_driven over in_jit.
 """
 
 from __future__ import annotations
@@ -43,10 +43,10 @@ def define_flags() -> None:
     flags.DEFINE_string("out", None, "output directory for bench_fetch_path.json (default: "
                         "out/ in the repository)")
     flags.DEFINE_bool("json", False, "print the JSON on stdout (the table goes to stderr)")
-    flags.DEFINE_float("mem_gbps", roofline.CPU_MEM_GBPS, "CPU memory bandwidth, GB/s "
-                       "(roofline on cpu)")
-    flags.DEFINE_float("peak_gflops", roofline.CPU_PEAK_GFLOPS, "CPU peak GFLOP/s "
-                       "(roofline on cpu)")
+    flags.DEFINE_float("mem_gbps", None, "CPU memory bandwidth, GB/s "
+                       "(roofline on cpu; default: measured on this machine)")
+    flags.DEFINE_float("peak_gflops", None, "CPU peak GFLOP/s "
+                       "(roofline on cpu; default: measured on this machine)")
 
 
 PATHS = ("in_jit", "host_driven")
@@ -75,8 +75,11 @@ def _check_flags():
     if FLAGS.impl == "pallas" and jax.default_backend() == "cpu":
         raise ValueError("--impl=pallas needs a GPU or TPU (this backend is cpu): use "
                          "--impl=interpret (Pallas interpret mode, slow) or --impl=xla")
-    if not FLAGS.mem_gbps > 0 or not FLAGS.peak_gflops > 0:
-        raise ValueError("--mem_gbps and --peak_gflops: allowed positive numbers")
+    for name in ("mem_gbps", "peak_gflops"):
+        v = getattr(FLAGS, name)
+        if v is not None and not v > 0:
+            raise ValueError(f"--{name}={v}: allowed a positive number (or none: measured "
+                             "on this machine)")
     out = pathlib.Path(FLAGS.out).expanduser() if FLAGS.out else REPO / "out"
     if out.suffix == ".json":
         raise ValueError(f"--out={FLAGS.out}: takes a directory (the JSON is written to "

@@ -71,10 +71,10 @@ def define_flags() -> None:
     flags.DEFINE_string("out", None, "output directory for bench_kernels.json (default: "
                         "out/ in the repository)")
     flags.DEFINE_bool("json", False, "print the JSON on stdout (the table goes to stderr)")
-    flags.DEFINE_float("mem_gbps", roofline.CPU_MEM_GBPS, "CPU memory bandwidth, GB/s "
-                       "(fractions of peak on cpu)")
-    flags.DEFINE_float("peak_gflops", roofline.CPU_PEAK_GFLOPS, "CPU peak GFLOP/s "
-                       "(fractions of peak on cpu)")
+    flags.DEFINE_float("mem_gbps", None, "CPU memory bandwidth, GB/s "
+                       "(fractions of peak on cpu; default: measured on this machine)")
+    flags.DEFINE_float("peak_gflops", None, "CPU peak GFLOP/s "
+                       "(fractions of peak on cpu; default: measured on this machine)")
 
 
 SMALL = dict(batch=2, s_q=2, heads=16, d_nope=128, topk=64, context=256, index_heads=8,
@@ -196,7 +196,8 @@ def _table(rows):
 def _peak(dev):
     """(TFLOP/s, GB/s) the fractions divide by, and where they come from."""
     if dev.platform == "cpu":
-        return (FLAGS.peak_gflops / 1e3, FLAGS.mem_gbps), "--peak_gflops / --mem_gbps"
+        m = roofline.cpu_machine(FLAGS.mem_gbps, FLAGS.peak_gflops)
+        return (m.peak_flops / 1e12, m.mem_bw / 1e9), m.source
     if dev.device_kind in PEAKS:
         return PEAKS[dev.device_kind], "PEAKS (vendor data sheet)"
     key = roofline.profile_for_device_kind(dev.device_kind)
@@ -232,8 +233,11 @@ def _check_flags(builders):
             raise ValueError(f"--{name}={getattr(FLAGS, name)}: allowed an integer >= 1")
     if FLAGS.warmup < 0:
         raise ValueError(f"--warmup={FLAGS.warmup}: allowed an integer >= 0")
-    if not FLAGS.mem_gbps > 0 or not FLAGS.peak_gflops > 0:
-        raise ValueError("--mem_gbps and --peak_gflops: allowed positive numbers")
+    for name in ("mem_gbps", "peak_gflops"):
+        v = getattr(FLAGS, name)
+        if v is not None and not v > 0:
+            raise ValueError(f"--{name}={v}: allowed a positive number (or none: measured "
+                             "on this machine)")
     return _out_dir()
 
 

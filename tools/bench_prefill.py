@@ -22,7 +22,7 @@ figures are in the JSON (`first_s`, `compile_s`, `first_less_compile_s`, `warm_s
 Roofline (`jlco.planning.roofline.prefill_cost`): the bytes the prefill must touch and
 the FLOPs it must do, piece by piece as the engine runs it (the indexer's FLOPs and key
 reads grow with position, everything else is per token), divided by the machine's
-limits: on CPU --mem_gbps / --peak_gflops (defaults measured on a 2-core box), on an
+limits: on CPU --mem_gbps / --peak_gflops (default: measured on this machine), on an
 accelerator the `jlco.planning.hardware` profile of its device kind (--hardware).
 `roofline_s` counts the real tokens (`over_roofline` = prefill_s / roofline_s);
 `roofline_as_run_s` what the engine computes (padded pieces, whole scan buckets).
@@ -78,10 +78,12 @@ def define_flags() -> None:
     flags.DEFINE_string("hardware", "auto", "roofline limits: auto (cpu, or the profile of "
                         "the accelerator's device kind), cpu (--mem_gbps/--peak_gflops), or "
                         "a jlco.planning.hardware key")
-    flags.DEFINE_float("mem_gbps", roofline.CPU_MEM_GBPS,
-                       "CPU memory bandwidth, GB/s (roofline on cpu)")
-    flags.DEFINE_float("peak_gflops", roofline.CPU_PEAK_GFLOPS,
-                       "CPU peak GFLOP/s (roofline on cpu)")
+    flags.DEFINE_float("mem_gbps", None,
+                       "CPU memory bandwidth, GB/s (roofline on cpu; default: "
+                       "measured on this machine, jlco.planning.probe)")
+    flags.DEFINE_float("peak_gflops", None,
+                       "CPU peak GFLOP/s (roofline on cpu; default: measured "
+                       "on this machine, jlco.planning.probe)")
     flags.DEFINE_integer("child_length", None, "internal: run one length in this process and "
                          "print its result line", lower_bound=1)
 
@@ -347,8 +349,10 @@ def check_flags() -> tuple[list[int], pathlib.Path, pathlib.Path]:
     lengths = _lengths()
     resolve_config(FLAGS.config)
     for name in ("mem_gbps", "peak_gflops"):
-        if not getattr(FLAGS, name) > 0:
-            raise ValueError(f"--{name}={getattr(FLAGS, name)}: allowed a positive number")
+        v = getattr(FLAGS, name)
+        if v is not None and not v > 0:
+            raise ValueError(f"--{name}={v}: allowed a positive number (or none: measured "
+                             "on this machine)")
     from jlco.planning.hardware import HARDWARE
     hw = FLAGS.hardware.lower()
     if hw not in ("auto", "cpu") and hw not in HARDWARE:

@@ -53,8 +53,10 @@ def define_flags() -> None:
     flags.DEFINE_integer("prompt_len", 2048, "prompt tokens per request", lower_bound=1)
     flags.DEFINE_integer("steps", 8, "decode steps timed", lower_bound=1)
     flags.DEFINE_integer("prefill_chunk", 512, "jlco engine.prefill_chunk", lower_bound=1)
-    flags.DEFINE_float("mem_gbps", roofline.CPU_MEM_GBPS, "memory bandwidth for the roofline (GB/s)")
-    flags.DEFINE_float("peak_gflops", roofline.CPU_PEAK_GFLOPS, "f32 peak for the roofline (GFLOP/s)")
+    flags.DEFINE_float("mem_gbps", None, "memory bandwidth for the roofline (GB/s; default: "
+                       "measured on this machine, jlco.planning.probe)")
+    flags.DEFINE_float("peak_gflops", None, "f32 peak for the roofline (GFLOP/s; default: measured "
+                       "on this machine, jlco.planning.probe)")
     flags.DEFINE_string("out", "out/vs_transformers", "directory for the JSON and PNG")
     flags.DEFINE_bool("json", False, "print the JSON to stdout (the table to stderr)")
 
@@ -140,8 +142,9 @@ def compare(ours: dict, peer: dict, cfg) -> dict:
         jlco_step_over_roofline=ours["step_ms"] / (1e3 * step_roof),
         transformers_step_over_roofline=peer["step_ms"] / (1e3 * step_roof),
         same_first_tokens=first, same_tokens=ours["tokens"] == peer["tokens"],
-        machine=dict(mem_gbps=FLAGS.mem_gbps, peak_gflops=FLAGS.peak_gflops,
-                     cpus=os.cpu_count(), platform=platform.platform()))
+        machine=dict(mem_gbps=machine.mem_bw / 1e9, peak_gflops=machine.peak_flops / 1e9,
+                     source=machine.source, cpus=os.cpu_count(),
+                     platform=platform.platform()))
 
 
 def table(out: dict) -> str:

@@ -57,14 +57,6 @@ from jlco.planning.params import layer_counts, param_counts
 from jlco.util.buckets import (MIN_PIECE, MIN_SCAN, WARMUP_QUERIES, piece_grid,  # noqa: F401
                                pow2_bucket, prompt_pieces)
 
-# This 2-core CPU box, measured with both cores by `jlco.planning.probe` (session 10,
-# tools/bench_vs_llamacpp.py): 45.9 GB/s reading a 143 MB working set (the models here
-# fit in its 480 MiB L3; 30.2 GB/s from DRAM at 2 GiB), 310 GFLOP/s in a 2048^3 f32
-# matmul. Before: 14.9 GB/s and 130 GFLOP/s, which understated the machine ~3x and ~2.4x.
-CPU_MEM_GBPS = 45.9
-CPU_PEAK_GFLOPS = 310.0
-
-
 @dataclasses.dataclass(frozen=True)
 class Machine:
     """The limits a roofline divides by: memory bandwidth (B/s), dense peak (FLOP/s) and,
@@ -82,12 +74,29 @@ class Machine:
                     source=self.source)
 
 
-def cpu_machine(mem_gbps: float = CPU_MEM_GBPS, peak_gflops: float = CPU_PEAK_GFLOPS) -> Machine:
-    if not mem_gbps > 0 or not peak_gflops > 0:
-        raise ValueError(f"mem_gbps={mem_gbps!r}, peak_gflops={peak_gflops!r}: allowed "
-                         "positive numbers")
+def cpu_machine(mem_gbps: float | None = None, peak_gflops: float | None = None) -> Machine:
+    """This CPU's limits: the figures given, the others measured on this machine
+    (`jlco.planning.probe.cpu_limits`, cached per machine) — never another box's."""
+    for name, v in (("mem_gbps", mem_gbps), ("peak_gflops", peak_gflops)):
+        if v is not None and not v > 0:
+            raise ValueError(f"{name}={v!r} is invalid: allowed a positive number (or none: "
+                             "measured on this machine)")
+    parts = []
+    if mem_gbps is None or peak_gflops is None:
+        from jlco.planning import probe
+        lim = probe.cpu_limits()
+        if mem_gbps is None:
+            mem_gbps = lim["mem_gbps"]
+            parts.append(f"{mem_gbps:.1f} GB/s read at {lim['working_set_mb']:.0f} MB")
+        if peak_gflops is None:
+            peak_gflops = lim["peak_gflops"]
+            parts.append(f"{peak_gflops:.0f} GFLOP/s f32 matmul")
+        parts = [f"measured on this machine ({', '.join(parts)}; jlco.planning.probe, "
+                 f"{lim.get('measured', '')}, {lim['path']})"]
+    given = [f"{v} {u} given" for v, u, n in ((mem_gbps, "GB/s", "m"), (peak_gflops,
+                                                                          "GFLOP/s", "p"))]
     return Machine("cpu", mem_gbps * 1e9, peak_gflops * 1e9, None,
-                   f"given: {mem_gbps} GB/s memory, {peak_gflops} GFLOP/s peak")
+                   "; ".join(parts) if parts else ", ".join(given))
 
 
 def hardware_machine(name: str) -> Machine:

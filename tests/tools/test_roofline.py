@@ -84,8 +84,9 @@ def test_bad_arguments(batch, contexts, s_q, match):
 
 
 def test_machines():
-    cpu = roofline.cpu_machine()
-    assert cpu.mem_bw == 45.9e9 and cpu.peak_flops == 310e9 and cpu.host_bw is None
+    cpu = roofline.cpu_machine(30.0, 200.0)
+    assert cpu.mem_bw == 30e9 and cpu.peak_flops == 200e9 and cpu.host_bw is None
+    assert cpu.source == "30.0 GB/s given, 200.0 GFLOP/s given"
     h200 = roofline.hardware_machine("h200")
     assert h200.mem_bw == 4800e9 and h200.peak_flops == 989e12 and h200.host_bw == 64e9
     assert roofline.profile_for_device_kind("NVIDIA H200") == "h200"
@@ -107,3 +108,31 @@ def test_real_model_is_memory_bound_on_h200():
     assert s.bytes["index_keys"] == 61 * 16 * 32768 * 132
     assert s.bytes["latent_rows"] == 61 * 16 * 2048 * 656
     assert s.memory_s(m) > s.compute_s(m) and 1e-3 < s.time_s(m) < 1.0
+
+
+def test_cpu_limits_are_measured_here_and_cached_per_machine(tmp_path, monkeypatch):
+    """No constant of another box: the figures come from the probe, measured once (the
+    fastest of its runs) and read back; a cache file others may write is measured again;
+    a probe taken while other work loads the cores is not kept."""
+    from jlco.planning import probe
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    calls = []
+    monkeypatch.setattr(probe, "read_gbps", lambda *a, **k: calls.append("r") or 21.0)
+    monkeypatch.setattr(probe, "matmul_gflops", lambda *a, **k: calls.append("m") or 150.0)
+    monkeypatch.setattr(probe.os, "getloadavg", lambda: (0.1, 0.1, 0.1))
+    cpu = roofline.cpu_machine()
+    assert (cpu.mem_bw, cpu.peak_flops) == (21e9, 150e9) and calls == ["r", "m"]
+    assert cpu.source.startswith("measured on this machine (21.0 GB/s read at 134 MB, "
+                                 "150 GFLOP/s f32 matmul; jlco.planning.probe")
+    path = probe.cache_path()
+    assert path.is_file() and (path.parent.stat().st_mode & 0o777) == 0o700
+    assert roofline.cpu_machine(25.0).mem_bw == 25e9 and calls == ["r", "m"]   # read back
+    path.chmod(0o666)
+    roofline.cpu_machine()
+    assert calls == ["r", "m"] * 2      # not trusted: measured again (and rewritten)
+    path.unlink()
+    monkeypatch.setattr(probe.os, "getloadavg", lambda: (9.0, 9.0, 9.0))
+    assert "not cached: load average 9.0" in roofline.cpu_machine().source
+    assert not path.exists()
+    with pytest.raises(ValueError, match="mem_gbps=0 is invalid: allowed a positive number"):
+        roofline.cpu_machine(0, 1)
