@@ -214,7 +214,7 @@ def sim_out():
 
 def test_sim_128k_row_carries_the_indexer_band(sim_out):
     u = sim_out["indexer_uncertainty"]
-    assert 0 < u["max_abs_residual"] <= 0.05
+    assert 0 < u["max_abs_residual"] <= 0.07   # calibration within 7 % (test_sim.py)
     assert 0 < u["calibration_indexer_share_min"] <= u["calibration_indexer_share_max"] < 1
     assert u["indexer_rel_uncertainty"] == pytest.approx(
         u["max_abs_residual"] / u["calibration_indexer_share_min"])
