@@ -10,6 +10,14 @@ runs on ESS's EP 32 rows; tensor > 1 is refused (the step model is TP 1).
 Every prediction carries the indexer-cost band (`indexer_uncertainty`, and `band` on each
 best point): the calibration rows are all at 32K.
 
+`published_held_out` holds ESS's other Table 2 rows (MTP 4 at 32K, MTP 2 at 128K; never
+fitted), each at its own batch and sparse memory ratio: target and predicted node
+tokens/s, the error (`max_abs_held_out_error_pct` over all), the step's terms in ms, and
+`fetch`: missed rows and bytes per step, hot-buffer hit rate, and the fetch stall per step
+with overlap (ESS DA + DBA: behind resident attention and the other micro-batch's
+indexer) and without (on-demand: the attention waits for the fetch). What the model
+assumes and why: docs/facts.md §3 "What the table says about a step model".
+
 An unknown --hardware, a bad --mesh or an unwritable --out is one `jlco.sim: error: ...`
 line on stderr (exit 2), checked before the fit runs; files are written atomically.
 """
@@ -25,7 +33,8 @@ from jlco.config import ModelConfig
 
 from jlco.planning.hardware import HARDWARE, get_hardware
 from jlco.planning.mesh import parse_mesh
-from jlco.planning.throughput import ESS_MESH, format_table, kv_budget_for, plot, run
+from jlco.planning.sim_report import format_table, plot
+from jlco.planning.throughput import ESS_MESH, kv_budget_for, run
 from jlco.util import atomic, cli
 
 PROG = "jlco.sim"

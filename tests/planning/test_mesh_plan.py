@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from jlco.config import ModelConfig, load_config
-from jlco.planning import memory, mtp, params, trace
+from jlco.planning import memory, mtp, params, sim_report, trace
 from jlco.planning import throughput as sim
 from jlco.planning.hardware import get_hardware
 from jlco.planning.mesh import MeshShape, host_layout, parse_mesh
@@ -227,7 +227,7 @@ def test_sim_128k_row_carries_the_indexer_band(sim_out):
     # the indexer's share (and so the band) grows with context
     assert p128["offload"]["band"]["indexer_share"] > p32["offload"]["band"]["indexer_share"]
     assert p128["offload"]["band"]["rel_band"] > p32["offload"]["band"]["rel_band"]
-    table = sim.format_table(sim_out)
+    table = sim_report.format_table(sim_out)
     assert "indexer cost: +-" in table and "offload tok/s band" in table
 
 

@@ -4,6 +4,7 @@ import json
 import numpy as np
 import pytest
 
+from jlco.planning import sim_report
 from jlco.planning import throughput as sim
 
 
@@ -51,8 +52,14 @@ def test_step_time_physics():
     assert sim.hot_rows_for(s, 52) == s.context  # 52 x 32K fits without offload
 
 
+def test_table_lists_the_held_out_rows(out):
+    text = sim_report.format_table(out)
+    assert "ESS published rows, never fitted" in text
+    assert text.count("128k_mtp2_accept1.7") >= 3
+
+
 def test_plots(out, tmp_path):
-    paths = sim.plot(out, str(tmp_path))
+    paths = sim_report.plot(out, str(tmp_path))
     assert len(paths) == 2
     for p in paths:
         assert open(p, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
