@@ -71,6 +71,25 @@ def _prompts():
     return [list(map(int, rng.integers(0, V, n))) for n in (36, 41)]
 
 
+IDS = list(range(0, V, 3))   # the allowed set of test_an_allowed_set_is_never_left
+
+
+@pytest.fixture(scope="module")
+def plain_runs(model):
+    """What a fresh plain engine (CFG) emits for the requests several tests compare
+    against, each computed once per module: (the sampled request alone, the free
+    request's greedy tokens alone, the greedy tokens constrained to IDS)."""
+    plain, other = _prompts()
+    solo = Engine(CFG, model)
+    alone = solo.submit(plain, 8, temperature=1.0, seed=4)
+    solo.run()
+    ref = Engine(CFG, model).generate([other], 12)[0]
+    eng = Engine(CFG, model)
+    want = eng.submit(plain, 12, constraint=Among(IDS))
+    eng.run()
+    return alone, ref, want
+
+
 def test_masks_pack_as_llguidance_does():
     """Bit i of word w is id 32 w + i; the device unpacks the host's packing."""
     import jax.numpy as jnp
@@ -81,12 +100,10 @@ def test_masks_pack_as_llguidance_does():
 
 
 @pytest.mark.parametrize("offload", [False, True])
-def test_a_forced_sequence_comes_out_and_stops(model, offload):
+def test_a_forced_sequence_comes_out_and_stops(model, plain_runs, offload):
     plain, other = _prompts()
     seq = [5, 200, 7, 7, 300]
-    solo = Engine(CFG, model)
-    alone = solo.submit(plain, 8, temperature=1.0, seed=4)
-    solo.run()
+    alone = plain_runs[0]
     eng = Engine(CFG.replace(cache__offload=offload), model)
     free = eng.submit(plain, 8, temperature=1.0, seed=4)
     req = eng.submit(other, 8, temperature=1.0, seed=2, constraint=Forced(seq))
@@ -97,9 +114,10 @@ def test_a_forced_sequence_comes_out_and_stops(model, offload):
 
 
 @pytest.mark.parametrize("drafts", [0, 2])
-def test_an_allowed_set_is_never_left(model, drafts):
+def test_an_allowed_set_is_never_left(model, plain_runs, drafts):
     prompts = _prompts()
-    ids = list(range(0, V, 3))
+    ids = IDS
+    _, ref, want = plain_runs
     cfg = CFG.replace(engine__num_draft_tokens=drafts)
     for temp in (0.0, 1.5):
         eng = Engine(cfg, model)
@@ -109,12 +127,8 @@ def test_an_allowed_set_is_never_left(model, drafts):
         eng.run()
         assert len(req.tokens) == 12 and all(t % 3 == 0 for t in req.tokens), req.tokens
         assert c.taken == req.tokens
-        ref = Engine(CFG, model).generate([prompts[1]], 12)[0]
         assert free.tokens == ref.tokens
     # greedy under the mask is the masked argmax: the plain engine's constrained tokens
-    plain = Engine(CFG, model)
-    want = plain.submit(prompts[0], 12, constraint=Among(ids))
-    plain.run()
     eng = Engine(cfg, model)
     got = eng.submit(prompts[0], 12, constraint=Among(ids))
     eng.run()
