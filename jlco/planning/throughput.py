@@ -144,7 +144,7 @@ def _ops(m: ModelConfig, s: Setup, batch: int) -> dict[str, np.ndarray]:
     # B·s_q·L of them; logits = the f32 score per (query, position), written once and
     # read `topk_passes` times by the top-k selection over the whole context (a
     # bandwidth-bound select: its compares are a few per element, far below the
-    # indexer's 2·H·D). The fourth context term, the H2D fetch, is in `step_parts`.
+    # indexer's 2·H·D). The fourth context term, the H2D fetch, is in `step_terms`.
     idx = indexer_scores(m, s.key_bytes, (L,) * batch, s.s_q)
     logits = 0.5 * idx["logits"] * (1.0 + s.topk_passes)
     hidden_bytes = m.num_experts_per_tok * m.hidden_size * 3  # fp8 dispatch + bf16 combine
