@@ -36,7 +36,10 @@ print only errors.
 
 Output: one line of tokens per prompt, or --json: {"tokens", "logprobs", "timing"} for
 --prompt_ids/--prompt, {"results": [{"tokens", "logprobs"}, ...], "timing"} for
---prompts_file; strict JSON (a non-finite log-prob is an error, exit 1). Bad input is one
+--prompts_file, and with the cache offloaded "offload": the prefetch health numbers per
+layer and summed (`OffloadMetrics.health`: rows_needed, rows_hit, rows_prefetched_used,
+rows_prefetched_unused, rows_on_demand, h2d_bytes, d2h_bytes, fetch_wait_s) and the
+admission warm-up's warmup_rows; strict JSON (a non-finite log-prob is an error, exit 1). Bad input is one
 `jlco.generate: error: ...` line on stderr, exit 2, no traceback (a number outside a
 flag's bounds is absl's parse error, exit 1). Timing: prefill_s is admission + prefill
 (with the prefill's compilation, prefill_compile_s of it), compile_s the seconds the
@@ -320,14 +323,16 @@ def check_finite(results: list[dict]) -> None:
                                       "values (bad weights?)")
 
 
-def render(results: list[dict], timing: dict, as_json: bool, batch_form: bool) -> str:
-    """stdout text: tokens per line, or strict JSON (json.dumps(allow_nan=False))."""
+def render(results: list[dict], timing: dict, as_json: bool, batch_form: bool,
+           extra: dict | None = None) -> str:
+    """stdout text: tokens per line, or strict JSON (json.dumps(allow_nan=False)) with
+    `extra`'s keys beside "timing" ("offload": the prefetch health numbers)."""
     check_finite(results)
     if not as_json:
         return "\n".join(" ".join(map(str, r["tokens"])) for r in results)
     doc = ({"results": results, "timing": timing} if batch_form
            else {**results[0], "timing": timing})
-    return json.dumps(doc, allow_nan=False)
+    return json.dumps({**doc, **(extra or {})}, allow_nan=False)
 
 
 def _report(engine, timing: dict) -> None:
@@ -417,8 +422,13 @@ def main(argv):
                     reqs, timing = _decode(engine, prompts, clock)
             results = [{"tokens": list(r.tokens), "logprobs": [float(x) for x in r.logprobs]}
                        for r in reqs]
+            extra = {}
+            if engine.metrics is not None:      # the prefetch scheduler's health numbers
+                extra["offload"] = dict(engine.metrics.health(),
+                                        warmup_rows=engine.runner.warmup_rows)
             with cli.errors_exit(PROG, NonFiniteOutput, code=cli.FAILURE_EXIT):
-                text = render(results, timing, FLAGS.json, FLAGS.prompts_file is not None)
+                text = render(results, timing, FLAGS.json, FLAGS.prompts_file is not None,
+                              extra)
             if not _quiet:
                 print(text)
             _report(engine, timing)

@@ -138,6 +138,7 @@ def _allocate(cfg: Config, host_memory: bool = True
         rows=jnp.zeros((n_layers, batch, cap, rb), jnp.uint8),
         slot_pos=jnp.full((tables, batch, cap), -1, jnp.int32),
         slot_stamp=jnp.full((tables, batch, cap), -1, jnp.int32),
+        slot_pref=jnp.zeros((tables, batch, cap), bool),
         host=() if host_driven_path else tuple(zeros() for _ in range(n_layers)),
         page_table=jnp.full((batch, pages_per_req), -1, jnp.int32),
         step=jnp.int32(0), stats=jnp.zeros((n_layers, len(STAT_NAMES)), jnp.int32),

@@ -315,4 +315,5 @@ def record_stats(metrics: OffloadMetrics, stats: np.ndarray) -> None:
         c = dict(zip(STAT_NAMES, (int(v) for v in row)))
         metrics.update(layer, lookups=c["lookups"], hits=c["hits"], misses=c["misses"],
                        h2d_rows=c["misses"], h2d_moved_rows=c["h2d_moved_rows"],
-                       d2h_rows=c["d2h_rows"])
+                       d2h_rows=c["d2h_rows"], prefetch_used=c["prefetch_used"],
+                       prefetch_unused=c["prefetch_unused"])

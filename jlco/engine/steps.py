@@ -20,7 +20,7 @@ from jlco.model.kv_cache import DecodeCache
 from jlco.offload.fetch import fetch_in_jit
 from jlco.offload.host_pool import host_row_ids, scatter_to_host
 from jlco.offload.hot_buffer import Resolution, resolve
-from jlco.offload.latent import OffloadLatent, table_groups
+from jlco.offload.latent import STAT_PREF_UNUSED, OffloadLatent, table_groups
 from jlco.parallel import data as parallel_data
 from jlco.parallel import mesh as parallel_mesh
 from jlco.sampling import penalize
@@ -36,8 +36,13 @@ def open_step(cache: DecodeCache, active: jax.Array):
         return cache, None
     lat = cache.latent
     table = jnp.where(active[:, None], lat.page_table, -1)
+    # rows loaded ahead of need in a slot whose request has left were never used
+    left = lat.slot_pref & ~active[None, :, None]
+    per_table = left.sum(axis=(1, 2), dtype=jnp.int32)
+    per_layer = per_table if lat.groups is None else per_table[jnp.asarray(lat.groups)]
     cache = dataclasses.replace(cache, latent=dataclasses.replace(
-        lat, page_table=table, stats=jnp.zeros_like(lat.stats)))
+        lat, page_table=table, slot_pref=lat.slot_pref & ~left,
+        stats=jnp.zeros_like(lat.stats).at[:, STAT_PREF_UNUSED].set(per_layer)))
     return cache, lat.page_table
 
 
@@ -98,7 +103,8 @@ def install(cache: DecodeCache, temp: DecodeCache, slot, n, page_row, seen_row=N
     lat = dataclasses.replace(
         lat, host=host, page_table=lat.page_table.at[slot].set(page_row, mode="drop"),
         slot_pos=lat.slot_pos.at[:, slot].set(-1, mode="drop"),
-        slot_stamp=lat.slot_stamp.at[:, slot].set(-1, mode="drop"))
+        slot_stamp=lat.slot_stamp.at[:, slot].set(-1, mode="drop"),
+        slot_pref=lat.slot_pref.at[:, slot].set(False, mode="drop"))
     return dataclasses.replace(new, latent=lat)
 
 
@@ -140,7 +146,7 @@ def warm_up(cache: DecodeCache, slot, record, *, fetch: bool = True):
     that ended up resident). → (cache, rows missed during the sequence, counted per
     layer)."""
     lat = cache.latent
-    rows, pos, stamp = lat.rows, lat.slot_pos, lat.slot_stamp
+    rows, pos, stamp, pref = lat.rows, lat.slot_pos, lat.slot_stamp, lat.slot_pref
     table = lat.page_table[slot][None]
     fetched = jnp.int32(0)
     for t, members in enumerate(table_groups(lat)):
@@ -161,7 +167,8 @@ def warm_up(cache: DecodeCache, slot, record, *, fetch: bool = True):
             rows = rows.reshape(n_layers, b, cap, rb)
         pos = pos.at[t, slot].set(p, mode="drop")
         stamp = stamp.at[t, slot].set(s, mode="drop")
-    lat = dataclasses.replace(lat, rows=rows, slot_pos=pos, slot_stamp=stamp)
+        pref = pref.at[t, slot].set(p >= 0, mode="drop")   # every row is ahead of need
+    lat = dataclasses.replace(lat, rows=rows, slot_pos=pos, slot_stamp=stamp, slot_pref=pref)
     return dataclasses.replace(cache, latent=lat), fetched
 
 

@@ -313,6 +313,7 @@ def data_specs(cache: DecodeCache) -> DecodeCache:
     lat = cache.latent
     if isinstance(lat, offload_latent.OffloadLatent):
         lat = dataclasses.replace(lat, rows=batch1, slot_pos=batch1, slot_stamp=batch1,
+                                  slot_pref=batch1,
                                   host=tuple(batch0 for _ in lat.host), page_table=batch0,
                                   step=P(), stats=P())
     else:

@@ -36,8 +36,12 @@ from jlco.offload.host_pool import host_row_ids, scatter_to_host
 from jlco.offload.hot_buffer import Resolution, insert_slots, resolve
 
 # Columns of OffloadLatent.stats, accumulated inside jit (read once per step by the engine).
-STAT_LOOKUPS, STAT_HITS, STAT_MISSES, STAT_MOVED, STAT_D2H = range(5)
-STAT_NAMES = ("lookups", "hits", "misses", "h2d_moved_rows", "d2h_rows")
+# PREF_USED: lookups that hit a row loaded ahead of need (the admission warm-up) and not
+# used since; PREF_UNUSED: such rows evicted, or left when their request ended, unused.
+STAT_LOOKUPS, STAT_HITS, STAT_MISSES, STAT_MOVED, STAT_D2H, STAT_PREF_USED, \
+    STAT_PREF_UNUSED = range(7)
+STAT_NAMES = ("lookups", "hits", "misses", "h2d_moved_rows", "d2h_rows", "prefetch_used",
+              "prefetch_unused")
 
 # Batch rows one loop iteration of `update_rows` updates on XLA:CPU (empty slots skipped).
 # Measured (configs/128k.py with the tiny model, batch 32, one request): 1 → 10.3 ms a
@@ -46,17 +50,19 @@ ROW_GROUP = 2
 
 
 @partial(jax.tree_util.register_dataclass,
-         data_fields=("rows", "slot_pos", "slot_stamp", "host", "page_table", "step", "stats"),
+         data_fields=("rows", "slot_pos", "slot_stamp", "slot_pref", "host", "page_table",
+                      "step", "stats"),
          meta_fields=("policy", "page_size", "chunk_rows", "groups"))
 @dataclasses.dataclass(frozen=True)
 class OffloadLatent:
     rows: jax.Array          # uint8 [L, b, m, R]  device hot buffer
     slot_pos: jax.Array      # int32 [G, b, m]     context position held by a slot, −1 empty
     slot_stamp: jax.Array    # int32 [G, b, m]     last use (LRU) / insertion (FIFO) step
+    slot_pref: jax.Array     # bool  [G, b, m]     loaded ahead of need, not used since
     host: tuple              # L × uint8 [pages*page_size, R] in host memory
     page_table: jax.Array    # int32 [b, P]        host page of each request page, −1 none
     step: jax.Array          # int32 []            decode step counter (slot stamps)
-    stats: jax.Array         # int32 [L, 5]        STAT_* counters since the last reset
+    stats: jax.Array         # int32 [L, 7]        STAT_* counters since the last reset
     policy: str
     page_size: int
     chunk_rows: int
@@ -270,16 +276,37 @@ def resolve_selection(lat: OffloadLatent, layer, positions: jax.Array,
         (positions >= 0).any(axis=(1, 2)), (rows_of(lat.slot_pos), rows_of(lat.slot_stamp)),
         (positions,), (-1, -1, -1, 0, 0, 0), lookup, None)
     res = Resolution(slot_ids, miss, victim, n_miss, pos, stamp, n_hit, n_lookup)
+    pref, used, wasted = prefetch_use(rows_of(lat.slot_pref), slot_ids, victim)
     counts = jnp.zeros_like(lat.stats[0]).at[
-        jnp.array([STAT_LOOKUPS, STAT_HITS, STAT_MISSES])].set(
-        jnp.stack([n_lookup.sum(), n_hit.sum(), n_miss.sum()]).astype(jnp.int32))
+        jnp.array([STAT_LOOKUPS, STAT_HITS, STAT_MISSES, STAT_PREF_USED, STAT_PREF_UNUSED])
+    ].set(jnp.stack([n_lookup.sum(), n_hit.sum(), n_miss.sum(), used, wasted]
+                    ).astype(jnp.int32))
     counts = jnp.where(_group_mask(lat, layer)[:, None], counts[None], 0)
 
     def put(t, v):
         return t.at[ti].set(jax.lax.dynamic_update_slice_in_dim(t[ti], v, b0, 0))
     return dataclasses.replace(lat, slot_pos=put(lat.slot_pos, pos),
                                slot_stamp=put(lat.slot_stamp, stamp),
+                               slot_pref=put(lat.slot_pref, pref),
                                stats=lat.stats + counts), res
+
+
+def prefetch_use(pref: jax.Array, slot_ids: jax.Array, victim: jax.Array):
+    """One lookup's effect on the rows loaded ahead of need: pref bool [b, m] (those
+    rows, not used since), slot_ids [b, s, k] (the slot each selected position reads, −1
+    none), victim [b, M] (slots refilled by this lookup's misses, −1 none) → (pref after
+    it, rows used now, rows evicted unused). A slot read and not refilled was a hit."""
+    b, m = pref.shape
+    rows = jnp.arange(b)[:, None]
+
+    def marks(ids):
+        flat = ids.reshape(b, -1)
+        return jnp.zeros((b, m + 1), bool).at[rows, jnp.where(flat >= 0, flat, m)].set(
+            True)[:, :m]
+    read, refilled = marks(slot_ids), marks(victim)
+    used = pref & read & ~refilled
+    wasted = pref & refilled
+    return pref & ~read & ~refilled, used.sum(dtype=jnp.int32), wasted.sum(dtype=jnp.int32)
 
 
 def lookup_bound(lat: OffloadLatent, scan_len: int | None) -> int:

@@ -60,6 +60,27 @@ class OffloadMetrics:
         look = self._c["lookups"][sl].sum()
         return float(self._c["hits"][sl].sum() / look) if look else float("nan")
 
+    def health(self) -> dict:
+        """The prefetch scheduler's health numbers, per layer and summed: rows_needed (rows
+        attention read), rows_hit (resident from an earlier step), rows_prefetched_used
+        (loaded ahead of need — the admission warm-up — then read), rows_prefetched_unused
+        (loaded ahead and evicted, or left when the request ended, unread), rows_on_demand
+        (fetched by the step that needed them: the critical path), h2d_bytes / d2h_bytes
+        (the decode steps' rows each way) and fetch_wait_s (host-driven path: time steps
+        waited on fetches; the in-jit path's wait is inside the step). rows_needed =
+        rows_hit + rows_prefetched_used + rows_on_demand, per layer."""
+        snap = self.snapshot()
+        per = snap["per_layer"]
+        layers = {
+            "rows_needed": per["lookups"],
+            "rows_hit": [h - u for h, u in zip(per["hits"], per["prefetch_used"])],
+            "rows_prefetched_used": per["prefetch_used"],
+            "rows_prefetched_unused": per["prefetch_unused"],
+            "rows_on_demand": per["misses"],
+            "h2d_bytes": per["h2d_bytes"], "d2h_bytes": per["d2h_bytes"],
+            "fetch_wait_s": per["fetch_wait_s"]}
+        return {"per_layer": layers, "total": {k: sum(v) for k, v in layers.items()}}
+
     def snapshot(self) -> dict:
         """Plain-Python dict: per-layer lists, totals, bytes and hit rates."""
         with self._lock:

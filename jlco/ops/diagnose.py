@@ -165,6 +165,9 @@ def measure(scrapes: list[Scrape]) -> dict:
     if wait_s <= 0:   # zero waits land in the first bucket: do not read 1 ms into them
         q["fetch_wait_p50"] = q["fetch_wait_p99"] = 0.0 if steps else None
     drafted = d("jlco_mtp_draft_tokens_total")
+    prefetch = {k: d(f"jlco_prefetch_{k}_total") for k in (
+        "rows_needed", "rows_hit", "rows_prefetched_used", "rows_prefetched_unused",
+        "rows_on_demand")}
     return dict(
         interval_s=dt, readings=len(scrapes), offload=s1.has("jlco_cache_lookups_total"),
         steps=int(steps), step_s=step_s, step_mean_s=step_s / steps if steps else None,
@@ -181,7 +184,9 @@ def measure(scrapes: list[Scrape]) -> dict:
         h2d_gbps_interval=h2d / dt / 1e9 if dt else None,
         mtp_drafted=drafted, mtp_accepted=d("jlco_mtp_accepted_tokens_total"),
         mtp_acceptance=d("jlco_mtp_accepted_tokens_total") / drafted if drafted else None,
-        orphans_swept=d("jlco_orphans_swept_total"), **q,
+        orphans_swept=d("jlco_orphans_swept_total"), prefetch=prefetch,
+        on_demand_share=(prefetch["rows_on_demand"] / prefetch["rows_needed"]
+                         if prefetch["rows_needed"] else None), **q,
         gauges={name: _gauge(scrapes, name) for name in (
             "jlco_requests_running", "jlco_requests_waiting", "jlco_host_pool_bytes_used",
             "jlco_host_pool_bytes_capacity", "jlco_device_pool_bytes_used",
@@ -249,6 +254,17 @@ def throughput(m: dict, link_gbps: float | None, hardware: str | None) -> list[d
         out.append(finding("throughput", "info", "fetch wait not separable: 0 s observed",
                            "the in-jit fetch path moves rows inside the step (its cost is in "
                            "the step time); judge it by the hit rate and H2D bytes"))
+    pf = m.get("prefetch") or {}
+    if pf.get("rows_needed"):
+        loaded = pf["rows_prefetched_used"] + pf["rows_prefetched_unused"]
+        out.append(finding(
+            "throughput", "info", f"{m['on_demand_share']:.1%} of the rows attention read "
+            "were fetched on demand (the critical path)",
+            f"of {pf['rows_needed']:.0f} rows read: {pf['rows_hit']:.0f} resident from an "
+            f"earlier step, {pf['rows_prefetched_used']:.0f} loaded ahead of need (admission "
+            f"warm-up), {pf['rows_on_demand']:.0f} fetched when needed; of the rows loaded "
+            f"ahead, {pf['rows_prefetched_unused']:.0f} of {loaded:.0f} went unread"
+            + (" (the prefetch's accuracy)" if loaded else "")))
     gbps = m["h2d_gbps_waiting"] or m["h2d_gbps_interval"]
     if link_gbps and gbps is not None:
         sev = "warn" if gbps >= LINK_BOUND * link_gbps else "info"

@@ -68,7 +68,8 @@ def per_request_bytes(cfg: Config, context: int, offload: bool,
     As the engine allocates a batch slot (`jlco.engine.allocation.allocate_cache`): the hot buffer
     has hot_buffer_rows rows (or `hot_rows`) whatever the context; `tables` are its int32
     length, its penalty tables (`util.sampling_tables`) and, offloaded, its page-table row
-    and the hot buffer's slot position + stamp per row of each slot table. Indexer keys
+    and the hot buffer's slot position + stamp (int32) and prefetched flag (bool) per
+    row of each slot table. Indexer keys
     are cached by the layers that run an indexer only (a layer that shares its top-k,
     IndexShare, holds none), plus the MTP layer's; those layers are also the slot
     tables (a shared layer uses its full layer's, `offload.latent.share_groups`)."""
@@ -79,7 +80,7 @@ def per_request_bytes(cfg: Config, context: int, offload: bool,
     latent_rows = rows if offload else context
     pages = -(-context // cfg.cache.page_size)
     tables = 4 + penalty_table_bytes(cfg.model.vocab_size) + (
-        4 * pages + 8 * latent_rows * key_layers if offload else 0)
+        4 * pages + 9 * latent_rows * key_layers if offload else 0)
     return dict(indexer=context * key_layers * cfg.indexer_key_bytes,
                 latent_device=latent_rows * layers * cfg.row_bytes, tables=tables,
                 activations=s_q * activation_bytes_per_token(cfg, context),

@@ -97,6 +97,7 @@ class _EngineCollector:
             yield lookups
             yield hits
             yield misses
+            yield from _prefetch_metrics(m.health())
             yield CounterMetricFamily("jlco_h2d_bytes", "Host-to-device latent bytes",
                                       value=tot["h2d_bytes"])
             yield CounterMetricFamily("jlco_d2h_bytes", "Device-to-host latent bytes",
@@ -145,6 +146,31 @@ def _prefix_metrics(loop):
                             value=stats["pages"])
     yield GaugeMetricFamily("jlco_prefix_cache_bytes", "Host bytes of the prefix cache",
                             value=stats["bytes"])
+
+
+_PREFETCH_HELP = {
+    "rows_needed": "Latent rows attention read",
+    "rows_hit": "Rows read from the hot buffer, resident from an earlier step",
+    "rows_prefetched_used": "Rows loaded ahead of need (admission warm-up), then read",
+    "rows_prefetched_unused": "Rows loaded ahead of need, evicted or left unread",
+    "rows_on_demand": "Rows fetched by the step that read them (the critical path)"}
+
+
+def _prefetch_metrics(health: dict):
+    """The prefetch scheduler's health per layer (`OffloadMetrics.health`):
+    jlco_prefetch_rows_needed = _hit + _prefetched_used + _on_demand, and the seconds
+    steps waited on fetches."""
+    per = health["per_layer"]
+    for name, help_text in _PREFETCH_HELP.items():
+        fam = CounterMetricFamily(f"jlco_prefetch_{name}", help_text, labels=["layer"])
+        for layer, v in enumerate(per[name]):
+            fam.add_metric([str(layer)], v)
+        yield fam
+    wait = CounterMetricFamily("jlco_prefetch_fetch_wait_seconds", "Seconds steps waited on "
+                               "fetches (host-driven path)", labels=["layer"])
+    for layer, v in enumerate(per["fetch_wait_s"]):
+        wait.add_metric([str(layer)], v)
+    yield wait
 
 
 def _process_metrics(state):

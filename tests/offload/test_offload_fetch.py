@@ -78,7 +78,8 @@ def _decode_in_jit(pool, pt, trace, chunk, metrics):
     sp, st = _tables(B, CAP)
     lat = OffloadLatent(
         rows=jnp.zeros((L, B, CAP, RB), jnp.uint8), slot_pos=jnp.stack([sp] * L),
-        slot_stamp=jnp.stack([st] * L), host=tuple(pool.array(i) for i in range(L)),
+        slot_stamp=jnp.stack([st] * L), slot_pref=jnp.zeros((L, B, CAP), bool),
+        host=tuple(pool.array(i) for i in range(L)),
         page_table=jnp.asarray(pt, jnp.int32), step=jnp.int32(0),
         stats=jnp.zeros((L, len(STAT_NAMES)), jnp.int32), policy="lru", page_size=PS,
         chunk_rows=chunk)

@@ -165,6 +165,7 @@ def test_install_empties_only_the_installed_slot():
         rows=jnp.zeros((n_layers, b, cap, rb), jnp.uint8),
         slot_pos=jnp.ones((n_layers, b, cap), jnp.int32),
         slot_stamp=jnp.ones((n_layers, b, cap), jnp.int32),
+        slot_pref=jnp.ones((n_layers, b, cap), bool),
         host=tuple(jnp.zeros((16, rb), jnp.uint8) for _ in range(n_layers)),
         page_table=jnp.full((b, 2), -1, jnp.int32), step=jnp.int32(0),
         stats=jnp.zeros((n_layers, len(STAT_NAMES)), jnp.int32), policy="lru", page_size=8,
@@ -176,3 +177,5 @@ def test_install_empties_only_the_installed_slot():
     assert (sp[:, 1] == -1).all() and (sp[:, 0] == 1).all()
     st = np.asarray(out.slot_stamp)
     assert (st[:, 1] == -1).all() and (st[:, 0] == 1).all()
+    pref = np.asarray(out.slot_pref)      # nothing of the predecessor counts as prefetched
+    assert not pref[:, 1].any() and pref[:, 0].all()

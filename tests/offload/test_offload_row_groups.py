@@ -90,7 +90,8 @@ def _offload_latent(rng, active):
     return latent.OffloadLatent(
         rows=jnp.zeros((L, B, CAP, rb), jnp.uint8),
         slot_pos=jnp.full((L, B, CAP), -1, jnp.int32),
-        slot_stamp=jnp.full((L, B, CAP), -1, jnp.int32), host=host,
+        slot_stamp=jnp.full((L, B, CAP), -1, jnp.int32),
+        slot_pref=jnp.zeros((L, B, CAP), bool), host=host,
         page_table=jnp.asarray(table), step=jnp.int32(0),
         stats=jnp.zeros((L, len(latent.STAT_NAMES)), jnp.int32), policy="lru",
         page_size=page, chunk_rows=5)

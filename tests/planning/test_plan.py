@@ -54,10 +54,10 @@ def test_real_model_param_count():
 def test_max_batch_and_plan_by_hand():
     # per request (context 256, 4 cache layers: 3 + the MTP layer, allocated as the engine
     # does): indexer 256*4*128 (bf16-format keys stay f32 in this f32 model), hot 64*4*576
-    # (f32 rows), tables = length 4 + page table 4*16 + slot pos/stamp 8*64*4 + the penalty
-    # tables 5*512 + 8*300 + 4*64 + 17 = 5233 (util.sampling_tables), activations 256 + 2*4*(144+128)*2 = 4608 bytes per token
+    # (f32 rows), tables = length 4 + page table 4*16 + slot pos/stamp/prefetched 9*64*4 + the
+    # penalty tables 5*512 + 8*300 + 4*64 + 17 = 5233 (util.sampling_tables), activations 256 + 2*4*(144+128)*2 = 4608 bytes per token
     pr = plan.per_request_bytes(CFG, 256, True)
-    assert pr == dict(indexer=131072, latent_device=147456, tables=7349, activations=4608,
+    assert pr == dict(indexer=131072, latent_device=147456, tables=7605, activations=4608,
                       host=589824)
     assert plan.per_request_bytes(CFG, 256, False)["tables"] == 4 + 5233
     free = 10_000_000 - 1_000_000 - 1_173_936

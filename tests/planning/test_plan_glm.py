@@ -29,9 +29,9 @@ def test_per_request_bytes_drop_by_the_shared_layers_keys():
         b = memory.per_request_bytes(SHARE, ctx, offload)
         assert a["indexer"] - b["indexer"] == (78 - 21) * ctx * 132
         # offloaded, the shared layers keep no slot tables either (int32 position + stamp
-        # per hot row: their full layer's table serves the group)
+        # and a prefetched flag per hot row: their full layer's table serves the group)
         rows = FULL.hot_buffer_rows
-        assert a["tables"] - b["tables"] == ((78 - 21) * 8 * rows if offload else 0)
+        assert a["tables"] - b["tables"] == ((78 - 21) * 9 * rows if offload else 0)
         assert {k: v for k, v in a.items() if k not in ("indexer", "tables")} == \
             {k: v for k, v in b.items() if k not in ("indexer", "tables")}
     hbm = 141e9
@@ -63,5 +63,5 @@ def test_engine_allocation_drops_what_the_planner_drops():
         planned = {k: pf[k] - ps[k] for k in ("indexer", "tables")}
         assert planned["indexer"] == 2 * ctx * (m.index_head_dim + 4)
         # offloaded, a shared layer also keeps no slot table of its own (its full layer's)
-        assert planned["tables"] == (2 * 8 * s.hot_buffer_rows if offload else 0)
+        assert planned["tables"] == (2 * 9 * s.hot_buffer_rows if offload else 0)
         assert slot["full"] - slot["share"] == planned["indexer"] + planned["tables"]
