@@ -22,14 +22,16 @@ STEP = 0.2
 # `throughput.Setup`; "const": the fitted constants (index into FIT_NAMES order).
 ASSUMPTIONS = (
     ("hbm_bandwidth", "hw", "hbm_gbps", "HBM GB/s (weights, indexer keys and logits)"),
-    ("fp8_flops", "hw", "fp8_tflops", "dense fp8 TFLOP/s (GEMMs, indexer scores)"),
+    ("fp8_flops", "hw", "fp8_tflops", "dense fp8 TFLOP/s (GEMMs; the indexer scores run "
+                                       "at the sparse-attention rate)"),
     ("bf16_flops", "hw", "bf16_tflops", "dense bf16 TFLOP/s (sparse MLA, LM head)"),
     ("h2d_bandwidth", "setup", "h2d_gbps", "host→device GB/s for missed latent rows"),
     ("network_bandwidth", "setup", "net_gbps", "inter-node GB/s per GPU (MoE all-to-all)"),
     ("gemm_eff", "const", 0, "fitted: fraction of peak FLOP/s reached"),
     ("mem_eff", "const", 1, "fitted: fraction of HBM bandwidth reached"),
     ("net_eff", "const", 2, "fitted: fraction of network bandwidth reached"),
-    ("miss_rate", "const", 3, "fitted miss_scale: real misses / synthetic-trace misses"),
+    ("miss_rate", "const", 3, "miss_scale, pinned to ESS Fig. 5: real misses / "
+                                "synthetic-trace misses"),
     ("layer_overhead_us", "const", 4, "fitted: fixed cost per layer per step"),
     ("indexer_overlap", "setup", "indexer_overlap",
      "share of the indexer the fetch hides behind (DBA: the other micro-batch's)"),
