@@ -58,7 +58,8 @@ def test_groups_share_one_slot_table():
     cache, _ = allocation.allocate_cache(OFF.replace(cache__fetch_path="in_jit"))
     lat = cache.latent
     assert lat.groups == (0, 0, 1, 1)
-    assert lat.slot_pos.shape[0] == lat.slot_stamp.shape[0] == FULL_LAYERS
+    assert lat.slot_pos.shape[0] == lat.slot_stamp.shape[0] == lat.slot_pref.shape[0] \
+        == FULL_LAYERS
     assert lat.rows.shape[0] == 4                                   # rows stay per layer
     assert latent.table_groups(lat) == ((0, 1), (2, 3))
     assert latent.share_groups([False, True, True, False, True, False]) == (0, 0, 0, 1, 1, 2)
@@ -69,7 +70,7 @@ def test_groups_share_one_slot_table():
     deepseek = OFF.replace(model__indexer_types=None)
     saved = (memory.per_request_bytes(deepseek, 160, True)["tables"]
              - memory.per_request_bytes(OFF, 160, True)["tables"])
-    assert saved == 2 * 8 * OFF.hot_buffer_rows
+    assert saved == 2 * 9 * OFF.hot_buffer_rows     # int32 position + stamp, bool prefetched
 
 
 def test_in_jit_step_plans_and_fetches_once_per_group(glm_model, monkeypatch):
