@@ -62,8 +62,8 @@ class Fused(Linear):
     by the bytes it reads, and XLA:CPU runs one of a few hundred KB on one core at
     13-17 GB/s, one of a few MB at 22-32 GB/s (both cores): one MLA layer's q_a | kv_a
     | indexer wk | weights_proj (all of x) ran 94 → 75 µs, q_b | indexer wq_b (of the
-    normed q latent) 139 → 94 µs, an expert's gate | up 43 → 36 µs (BUILD_NOTES,
-    session 17). Each output column is the same dot product as before."""
+    normed q latent) 139 → 94 µs, an expert's gate | up 43 → 36 µs
+    (docs/journal/2026-12-04.md, session 17). Each output column is the same dot product as before."""
 
     def __init__(self, *linears: Linear):
         ws = [lin.weight[...] for lin in linears]
@@ -121,7 +121,7 @@ def _pow_f32(base: float, exponent: np.ndarray) -> np.ndarray:
     off by one ulp for some exponents (rope 64, theta 1e4: 4 of 32; via YaRN's blend,
     2 ulps of inv_freq), which transformers' and DeepSeek's f32 torch `pow` are not: at
     16K positions that is a 5e-4 rad rotation of those dims on one side only (issue 26,
-    BUILD_NOTES "Long-context parity")."""
+    docs/journal/2026-12-02.md "Long-context parity")."""
     return (float(base) ** exponent.astype(np.float64)).astype(np.float32)
 
 

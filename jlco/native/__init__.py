@@ -5,7 +5,7 @@ A decode step multiplies M = batch x query tokens rows (1..8) by each weight mat
 once, so its matmuls are bound by the weight bytes. XLA:CPU streams M = 1 as a matvec
 but runs M = 2..8 as a GEMM that repacks the weights on every call, at a third of the
 matvec's bandwidth (M = 4 against a [512, 2048] weight: 8.6-10.9 GB/s against 25 GB/s
-at M = 1; BUILD_NOTES, sessions 19-20). `kernels.cc` streams each weight row once
+at M = 1; docs/journal/2026-12-06.md, sessions 19-20). `kernels.cc` streams each weight row once
 for all M rows: M = 4 at 16-35 GB/s on the same box, M = 1 as fast as XLA's matvec.
 `indexer_scores` forms the indexer's scores with a query's heads side by side in vector
 lanes (one lane reduction per key instead of XLA's [keys, heads] logits written and

@@ -4,7 +4,7 @@ glibc's malloc keeps memory freed by XLA (compiler scratch, a finished prefill's
 buffers) in its arenas: the process's RSS, which is what an OOM killer and `VmHWM`
 see, then grows ~200 MB per compiled program and never shrinks. `malloc_trim(0)` hands
 the free pages back. Measured on configs/128k.py's warm-up (47 programs): peak RSS
-7.3 GB without, see BUILD_NOTES.md "Session 6" for with.
+7.3 GB without, see docs/journal/2026-12-02.md "Session 6" for with.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Long-context parity with transformers: 16K positions, greedy tokens and log-probs.
 
-Issue 26 (BUILD_NOTES "Long-context parity"): at 16K jlco's RoPE inverse frequencies
+Issue 26 (docs/journal/2026-12-02.md "Long-context parity"): at 16K jlco's RoPE inverse frequencies
 were numpy's f32 `pow`, 1-2 ulps off transformers' (correctly rounded) ones in 2 of 32
 dims, so every angle differed by position x 2 ulps: 5e-4 rad at 16K. Fixed in
 `jlco.model.layers._pow_f32`; `test_rope_frequencies_bit_equal` guards it in the default

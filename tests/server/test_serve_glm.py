@@ -43,7 +43,7 @@ def served(tmp_path_factory):
 def _reference(ref, prompt):
     """Greedy continuation by transformers' full forward at every step (no KV cache):
     its cached `generate` parts from its own uncached forward on some GLM IndexShare
-    models (BUILD_NOTES, session 8), the forward is the definition."""
+    models (docs/journal/2026-12-02.md, session 8), the forward is the definition."""
     toks, lps = [], []
     with torch.no_grad():
         for _ in range(NEW):
