@@ -16,16 +16,16 @@ else configs/tiny.py's model section with the config's engine context and cache 
 Engine: --config (default configs/tiny.py) gives the cache and engine sections. Without
 --config the context follows the request (longest prompt + --max_new_tokens, rounded up
 to a power of two, at most the model's max_position_embeddings) and the batch is the
-number of prompts; an explicit --config's context is kept, and its larger
-max_batch_size too when its own model runs; without --config the prefill chunk also
-takes the longest prompt in one piece (up to 2,048 positions, `prefill_chunk_for`). --offload puts the MLA latent cache in host
-memory (same tokens as without it). --mesh data=D,expert=E,tensor=T (fields left out are
-1; default: the config's `mesh` section) runs on a JAX mesh of D·E·T devices
-(`jlco.parallel`): the parameters are placed by their logical axes and the engine runs
-under the mesh, the routed experts split over E devices and the heads / MLP / vocabulary
-dimensions over T (same tokens as one device); with D > 1 attention runs data-parallel,
-the batch slots, their caches and the host pool split over the D data ranks (--mesh
-rounds the batch up to a multiple of D).
+number of prompts; an explicit --config's context is kept, and its larger max_batch_size
+too when its own model runs; without --config the prefill chunk also takes the longest
+prompt in one piece (up to 2,048 positions, `prefill_chunk_for`). --offload puts the MLA
+latent cache in host memory (same tokens as without it). --mesh data=D,expert=E,tensor=T
+(fields left out are 1; default: the config's `mesh` section) runs on a JAX mesh of
+D·E·T devices (`jlco.parallel`): the parameters are placed by their logical axes and the
+engine runs under the mesh, the routed experts split over E devices and the heads / MLP
+/ vocabulary dimensions over T (same tokens as one device); with D > 1 attention runs
+data-parallel, the batch slots, their caches and the host pool split over the D data
+ranks (--mesh rounds the batch up to a multiple of D).
 
 Several processes (hosts): --coordinator_address HOST:PORT --num_processes N
 --process_id I (or JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID;
@@ -39,14 +39,13 @@ Output: one line of tokens per prompt, or --json: {"tokens", "logprobs", "timing
 --prompts_file, and with the cache offloaded "offload": the prefetch health numbers per
 layer and summed (`OffloadMetrics.health`: rows_needed, rows_hit, rows_prefetched_used,
 rows_prefetched_unused, rows_on_demand, h2d_bytes, d2h_bytes, fetch_wait_s) and the
-admission warm-up's warmup_rows; strict JSON (a non-finite log-prob is an error, exit 1). Bad input is one
-`jlco.generate: error: ...` line on stderr, exit 2, no traceback (a number outside a
-flag's bounds is absl's parse error, exit 1). Timing: prefill_s is admission + prefill
-(with the prefill's compilation, prefill_compile_s of it), compile_s the seconds the
-decode loop spent tracing, lowering and compiling (JAX's own events, all in its first
-step: late_compiles counts programs compiled after it), decode_s the decode loop
-without them. JAX's persistent compilation cache is
-on (`jlco.util.compile_cache`).
+admission warm-up's warmup_rows; strict JSON (a non-finite log-prob is an error, exit
+1). Bad input is one `jlco.generate: error: ...` line on stderr, exit 2, no traceback (a
+number outside a flag's bounds is absl's parse error, exit 1). Timing: prefill_s is
+admission + prefill (with the prefill's compilation, prefill_compile_s of it), compile_s
+the seconds the decode loop spent tracing, lowering and compiling (JAX's own events, all
+in its first step: late_compiles counts programs compiled after it), decode_s the decode
+loop without them. JAX's persistent compilation cache is on (`jlco.util.compile_cache`).
 """
 
 from __future__ import annotations

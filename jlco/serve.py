@@ -370,7 +370,8 @@ def _follow(cfg, choice, info) -> None:
     try:
         cfg, engine, mesh, _ = _engine(cfg, choice, quiet=True)
         follower.engine = engine
-        follower.grammar = _grammar_maker(choice, cfg)
+        follower.grammar = lockstep.grammar_maker(choice.checkpoint,
+                                                  cfg.model.vocab_size)
         follower.host_pool_bytes = lambda: lockstep.local_host_pool_bytes(engine, mesh)
         _say(f"process {me} of {info.process_count}: ready, running process 0's steps")
         with _mesh_context(mesh):
@@ -386,22 +387,6 @@ def _follow(cfg, choice, info) -> None:
     engine.close()
     distributed.shutdown()
     _say(f"process {me}: stopped (process 0 drained the job)")
-
-
-def _grammar_maker(choice, cfg):
-    """text → a structured-output matcher over the tokenizer process 0 serves (built on
-    first use: most jobs never need it)."""
-    made = []
-
-    def grammar(text):
-        if not made:
-            from jlco.server.text import TextCodec
-            from jlco.structured.grammar import Grammars
-            codec = (TextCodec.byte_level(cfg.model.vocab_size) if choice.checkpoint is None
-                     else TextCodec.from_checkpoint(choice.checkpoint))
-            made.append(Grammars(codec.tokenizer, cfg.model.vocab_size, codec.eos_token_id))
-        return made[0].from_text(text)
-    return grammar
 
 
 DRAIN_SLACK_S = 10.0   # after the grace: aborted streams send their last event

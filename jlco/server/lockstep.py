@@ -509,3 +509,20 @@ def local_data_ranks(mesh, nranks: int) -> list[int]:
     moved = np.moveaxis(devs, axis, 0)
     return [r for r in range(moved.shape[0])
             if any(d.process_index == me for d in moved[r].flat)]
+
+
+def grammar_maker(checkpoint: str | None, vocab_size: int) -> Callable[[str], object]:
+    """text → a structured-output matcher over the tokenizer process 0 serves (the
+    checkpoint's, or the random model's byte-level one), built on first use: most jobs
+    never need it."""
+    made = []
+
+    def grammar(text):
+        if not made:
+            from jlco.server.text import TextCodec
+            from jlco.structured.grammar import Grammars
+            codec = (TextCodec.byte_level(vocab_size) if checkpoint is None
+                     else TextCodec.from_checkpoint(checkpoint))
+            made.append(Grammars(codec.tokenizer, vocab_size, codec.eos_token_id))
+        return made[0].from_text(text)
+    return grammar

@@ -316,47 +316,9 @@ class EngineLoop:
 
     def _apply(self, cmd) -> None:
         if isinstance(cmd, Call):     # run fn(engine) here → its result (or exception)
-            fut = cmd.fut
-            try:
-                result = cmd.fn(self.engine)
-                if cmd.op is not None:
-                    self._ops.append(cmd.op)
-                # before the caller hears back: a scrape after it sees what fn changed
-                # (reset_prefix_cache, an import's prefix)
-                self.prefix_stats = _prefix_stats(self.engine)
-                fut.set_result(result)
-            except ApiError as err:
-                fut.set_exception(err)
-            except RequestError as err:
-                fut.set_exception(refusal(err))
-            except ValueError as err:
-                fut.set_exception(ApiError(400, str(err)))
-            except Exception as err:   # noqa: BLE001 - the caller gets a 500, we go on
-                log.error("engine call failed:\n%s", traceback.format_exc())
-                fut.set_exception(ApiError(500, f"{type(err).__name__}: {err}"))
+            _run_call(self, cmd)
         elif isinstance(cmd, Submit):
-            if self.engine.admission_status().waiting >= self.max_waiting:
-                cmd.fut.set_exception(ApiError(429, f"the waiting queue is full "
-                                                    f"(serve.max_queue={self.max_waiting}); "
-                                                    "retry later"))
-                return
-            try:
-                op = None if self.leader is None else lockstep.submit_op(
-                    -1, cmd.prompt, cmd.max_new_tokens, cmd.params)
-            except ValueError as err:
-                cmd.fut.set_exception(ApiError(400, str(err)))
-                return
-            try:
-                req = self.engine.submit(cmd.prompt, cmd.max_new_tokens, cmd.params)
-            except RequestError as err:
-                cmd.fut.set_exception(refusal(err))
-                return
-            if op is not None:
-                op[1] = req.id
-                self._ops.append(op)
-            cmd.stream.request = req
-            self._streams[req.id] = cmd.stream
-            cmd.fut.set_result(req)
+            _submit(self, cmd)
         elif isinstance(cmd, Finish):
             req = cmd.stream.request
             if req is not None and not req.done:
@@ -418,3 +380,53 @@ class EngineLoop:
                 cmd.fut.set_exception(ApiError(503, f"the engine failed: {self.broken}"))
         if first and self.on_broken is not None:
             self.on_broken(self.broken)
+
+
+def _run_call(loop: EngineLoop, cmd: Call) -> None:
+    """A Call on the engine thread: fn(engine) → its future (RequestError as its refusal,
+    ValueError a 400, anything else a 500); its lockstep operation recorded."""
+    fut = cmd.fut
+    try:
+        result = cmd.fn(loop.engine)
+        if cmd.op is not None:
+            loop._ops.append(cmd.op)
+        # before the caller hears back: a scrape after it sees what fn changed
+        # (reset_prefix_cache, an import's prefix)
+        loop.prefix_stats = _prefix_stats(loop.engine)
+        fut.set_result(result)
+    except ApiError as err:
+        fut.set_exception(err)
+    except RequestError as err:
+        fut.set_exception(refusal(err))
+    except ValueError as err:
+        fut.set_exception(ApiError(400, str(err)))
+    except Exception as err:   # noqa: BLE001 - the caller gets a 500, the loop goes on
+        log.error("engine call failed:\n%s", traceback.format_exc())
+        fut.set_exception(ApiError(500, f"{type(err).__name__}: {err}"))
+
+
+def _submit(loop: EngineLoop, cmd: Submit) -> None:
+    """A Submit on the engine thread: 429 past the queue bound, the engine's refusal, or
+    the request queued (its stream attached, its lockstep operation recorded)."""
+    if loop.engine.admission_status().waiting >= loop.max_waiting:
+        cmd.fut.set_exception(ApiError(429, f"the waiting queue is full "
+                                            f"(serve.max_queue={loop.max_waiting}); "
+                                            "retry later"))
+        return
+    try:
+        op = None if loop.leader is None else lockstep.submit_op(
+            -1, cmd.prompt, cmd.max_new_tokens, cmd.params)
+    except ValueError as err:
+        cmd.fut.set_exception(ApiError(400, str(err)))
+        return
+    try:
+        req = loop.engine.submit(cmd.prompt, cmd.max_new_tokens, cmd.params)
+    except RequestError as err:
+        cmd.fut.set_exception(refusal(err))
+        return
+    if op is not None:
+        op[1] = req.id
+        loop._ops.append(op)
+    cmd.stream.request = req
+    loop._streams[req.id] = cmd.stream
+    cmd.fut.set_result(req)
