@@ -148,29 +148,31 @@ def _prefix_metrics(loop):
                             value=stats["bytes"])
 
 
-_PREFETCH_HELP = {
-    "rows_needed": "Latent rows attention read",
-    "rows_hit": "Rows read from the hot buffer, resident from an earlier step",
-    "rows_prefetched_used": "Rows loaded ahead of need (admission warm-up), then read",
-    "rows_prefetched_unused": "Rows loaded ahead of need, evicted or left unread",
-    "rows_on_demand": "Rows fetched by the step that read them (the critical path)"}
-
-
 def _prefetch_metrics(health: dict):
     """The prefetch scheduler's health per layer (`OffloadMetrics.health`):
     jlco_prefetch_rows_needed = _hit + _prefetched_used + _on_demand, and the seconds
     steps waited on fetches."""
     per = health["per_layer"]
-    for name, help_text in _PREFETCH_HELP.items():
-        fam = CounterMetricFamily(f"jlco_prefetch_{name}", help_text, labels=["layer"])
-        for layer, v in enumerate(per[name]):
+    families = (
+        (CounterMetricFamily("jlco_prefetch_rows_needed", "Latent rows attention read",
+                             labels=["layer"]), "rows_needed"),
+        (CounterMetricFamily("jlco_prefetch_rows_hit", "Rows read from the hot buffer, "
+                             "resident from an earlier step", labels=["layer"]), "rows_hit"),
+        (CounterMetricFamily("jlco_prefetch_rows_prefetched_used", "Rows loaded ahead of "
+                             "need (admission warm-up), then read", labels=["layer"]),
+         "rows_prefetched_used"),
+        (CounterMetricFamily("jlco_prefetch_rows_prefetched_unused", "Rows loaded ahead of "
+                             "need, evicted or left unread", labels=["layer"]),
+         "rows_prefetched_unused"),
+        (CounterMetricFamily("jlco_prefetch_rows_on_demand", "Rows fetched by the step that "
+                             "read them (the critical path)", labels=["layer"]),
+         "rows_on_demand"),
+        (CounterMetricFamily("jlco_prefetch_fetch_wait_seconds", "Seconds steps waited on "
+                             "fetches (host-driven path)", labels=["layer"]), "fetch_wait_s"))
+    for fam, key in families:
+        for layer, v in enumerate(per[key]):
             fam.add_metric([str(layer)], v)
         yield fam
-    wait = CounterMetricFamily("jlco_prefetch_fetch_wait_seconds", "Seconds steps waited on "
-                               "fetches (host-driven path)", labels=["layer"])
-    for layer, v in enumerate(per["fetch_wait_s"]):
-        wait.add_metric([str(layer)], v)
-    yield wait
 
 
 def _process_metrics(state):
