@@ -92,7 +92,8 @@ def _latent(pool, page_table, n, chunk) -> OffloadLatent:
     return jax.device_put(OffloadLatent(
         rows=jnp.zeros((1, 1, n, pool.row_bytes), jnp.uint8),
         slot_pos=jnp.full((1, 1, n), -1, jnp.int32),
-        slot_stamp=jnp.full((1, 1, n), -1, jnp.int32), host=(),
+        slot_stamp=jnp.full((1, 1, n), -1, jnp.int32),
+        slot_pref=jnp.zeros((1, 1, n), bool), host=(),
         page_table=jnp.asarray(page_table, jnp.int32), step=jnp.int32(0),
         stats=jnp.zeros((1, len(STAT_NAMES)), jnp.int32), policy="lru",
         page_size=pool.page_size, chunk_rows=chunk), pool.device)
