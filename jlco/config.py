@@ -463,6 +463,11 @@ class CacheConfig:
                        sessions reuse their history; exact: jlco.engine.prefix).
     prefix_cache_tokens: positions the prefix cache holds at most (least recently used
                        pages go first); 0 = 2 x engine.max_context_len.
+    split_attention:   host-driven path: attend over the rows already resident while the
+                       step's misses transfer, then over the fetched ones, and merge the
+                       two by log-sum-exp (within f32 rounding of one attention). The
+                       in-jit path refuses it: its step is one XLA program, with no host
+                       in between to start the attention before the fetch.
     """
     offload: bool = False
     storage: str = "pinned_host"
@@ -478,6 +483,7 @@ class CacheConfig:
     indexer_key_format: str = "bf16"
     prefix_cache: bool = True
     prefix_cache_tokens: int = 0
+    split_attention: bool = False
 
     def __post_init__(self):
         p = "cache"
@@ -499,6 +505,19 @@ class CacheConfig:
         _check(isinstance(self.prefix_cache_tokens, int) and self.prefix_cache_tokens >= 0,
                f"{p}.prefix_cache_tokens", self.prefix_cache_tokens,
                "an integer >= 0 (0 = 2 x engine.max_context_len)")
+        self._check_host_driven_knobs(p)
+
+    def _check_host_driven_knobs(self, p: str) -> None:
+        """Knobs that schedule the host-driven path's fetches need that path: an in-jit
+        step is one XLA program, with no host between its selection and its attention."""
+        host = self.fetch_path == "host_driven" or (self.fetch_path == "auto"
+                                                    and self.storage == "file")
+        for name in ("split_attention",):
+            if getattr(self, name):
+                _check(self.offload and host, f"{p}.{name}", True,
+                       "False unless cache.offload=True and the host-driven fetch path "
+                       "(cache.fetch_path='host_driven'): the in-jit step is one XLA "
+                       "program with no host between its selection and its attention")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -51,11 +51,12 @@ from jlco.config import Config
 from jlco.engine import speculative
 from jlco.engine import steps as engine_steps
 from jlco.engine.inputs import StepInputs
-from jlco.model import kv_cache
+from jlco.model import attention, kv_cache
 from jlco.model.kv_cache import DecodeCache, cache_layers
 from jlco.offload.host_fetch import HostFetcher, miss_list
 from jlco.offload.host_pool import HostLatentPool, host_row_ids
 from jlco.offload.latent import follows, group_layers, resolve_selection, table_groups
+from jlco.pallas.lse_merge import merge_by_lse
 from jlco.parallel import mesh as parallel_mesh
 
 
@@ -139,16 +140,42 @@ def _select(spec, leaves, cache: DecodeCache, layer, b0, indexer_in, positions, 
     return dataclasses.replace(cache, latent=lat), res.slot_ids, miss_ids, dest, topk
 
 
+def _hot_ids(rows, layer, b0, slot_ids, nb: int):
+    """Micro-batch [b0, b0+nb)'s hot rows [nb*m, R] and its slot ids [nb,s,k] as row ids
+    into them (−1 kept)."""
+    hot = _slice(rows[layer], b0, nb)                                     # [nb, m, R]
+    _, m, r = hot.shape
+    base = jnp.arange(nb, dtype=jnp.int32)[:, None, None] * m
+    return hot.reshape(nb * m, r), jnp.where(slot_ids >= 0, base + slot_ids, -1).astype(
+        jnp.int32)
+
+
 @functools.partial(jax.jit, static_argnums=0, static_argnames=("nb", "kv_format", "impl"))
 def _attend(spec, leaves, rows, layer, b0, q, slot_ids, *, nb: int, kv_format: str,
             impl: str):
     """Sparse MLA of micro-batch [b0, b0+nb) over its hot-buffer rows → [nb,s,h,c]."""
-    hot = _slice(rows[layer], b0, nb)                                     # [nb, m, R]
-    _, m, r = hot.shape
-    base = jnp.arange(nb, dtype=jnp.int32)[:, None, None] * m
-    ids = jnp.where(slot_ids >= 0, base + slot_ids, -1).astype(jnp.int32)
-    return _block(spec, leaves).self_attn.attend(
-        _slice(q, b0, nb), hot.reshape(nb * m, r), ids, kv_format, impl)
+    hot, ids = _hot_ids(rows, layer, b0, slot_ids, nb)
+    return _block(spec, leaves).self_attn.attend(_slice(q, b0, nb), hot, ids, kv_format, impl)
+
+
+@functools.partial(jax.jit, static_argnums=0,
+                   static_argnames=("nb", "kv_format", "impl", "missed"))
+def _attend_part(spec, leaves, rows, layer, b0, q, slot_ids, dest, *, nb: int,
+                 kv_format: str, impl: str, missed: bool):
+    """Hit/miss split attention (`cache.split_attention`): sparse MLA of micro-batch
+    [b0, b0+nb) over only the rows resident before this step's fetch (`missed` False:
+    slots the miss list `dest` [nb, M] does not refill, readable while the misses
+    transfer) or only the refilled ones (`missed` True, after the fetch) → (out
+    [nb,s,h,c], lse [nb,s,h]; +inf where the part is empty), for `merge_by_lse`."""
+    hot, ids = _hot_ids(rows, layer, b0, slot_ids, nb)
+    n = hot.shape[0]
+    local = jnp.where(dest >= 0, dest - b0 * (n // nb), n).reshape(-1)
+    refilled = jnp.zeros((n + 1,), bool).at[local].set(True)
+    keep = (ids >= 0) & (refilled[jnp.where(ids >= 0, ids, n)] == missed)
+    mla = _block(spec, leaves).self_attn
+    return attention.sparse_mla(_slice(q, b0, nb), hot, jnp.where(keep, ids, -1),
+                                mla.cfg.softmax_scale, kv_format=kv_format,
+                                d_rope=mla.cfg.qk_rope_head_dim, impl=impl)
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -385,21 +412,46 @@ class HostDriven:
                 prev_ids if follow else None, nb=nb, impl=self.impl)
             topk[j] = (used, slot_ids)
             selected.append((b0, nb, slot_ids, miss_ids, dest))
+        cache, outs = self._attend_all(gd, st, cache, layer, q, selected, members, record)
+        return kv_cache.with_layer(full, i, cache), _post(gd, st, x, tuple(outs))
+
+    def _attend_all(self, gd, st, cache, layer, q, selected, members, record: bool):
+        """Each micro-batch's misses fetched, then its attention → (cache, outs). With
+        `cache.split_attention` the attention over the resident rows of every
+        micro-batch is dispatched before any fetch (the device computes it while the
+        host gathers and sends the misses), the fetched rows are attended after, and
+        the two merged by log-sum-exp (`merge_by_lse`); a micro-batch that missed
+        nothing takes its resident part as is."""
+        kw = dict(kv_format=cache.kv_format, impl=self.impl)
+        split = self.cfg.cache.split_attention
+        hits = [_attend_part(gd, st, cache.latent.rows, layer, self._b0[b0], q, slot_ids,
+                             dest, nb=nb, missed=False, **kw)
+                if split and miss_ids is not None else None
+                for b0, nb, slot_ids, miss_ids, dest in selected]
         outs = []
-        for b0, nb, slot_ids, miss_ids, dest in selected:
+        for (b0, nb, slot_ids, miss_ids, dest), hit in zip(selected, hits):
+            moved = 0
             if miss_ids is not None:
-                rows = self._fetch(cache.latent.rows, members, miss_ids, dest, record)
+                rows, moved = self._fetch(cache.latent.rows, members, miss_ids, dest, record)
                 cache = dataclasses.replace(cache, latent=dataclasses.replace(cache.latent,
                                                                               rows=rows))
-            outs.append(_attend(gd, st, cache.latent.rows, layer, self._b0[b0], q, slot_ids,
-                                nb=nb, kv_format=cache.kv_format, impl=self.impl))
-        return kv_cache.with_layer(full, i, cache), _post(gd, st, x, tuple(outs))
+            if hit is None:
+                outs.append(_attend(gd, st, cache.latent.rows, layer, self._b0[b0], q,
+                                    slot_ids, nb=nb, **kw))
+            elif not moved:
+                outs.append(hit[0])
+            else:
+                miss = _attend_part(gd, st, cache.latent.rows, layer, self._b0[b0], q,
+                                    slot_ids, dest, nb=nb, missed=True, **kw)
+                outs.append(merge_by_lse(*hit, *miss)[0])
+        return cache, outs
 
     # ---- host work (the transfer itself: jlco.offload.host_fetch) -----------------
     def _fetch(self, rows, layers: tuple[int, ...], miss_ids, dest, record: bool):
         """The miss list back (the one sync), the rows of every layer of the group
         gathered and sent together; the time blocked here is the full layer's fetch
-        wait, the rows moved are counted for each layer."""
+        wait, the rows moved are counted for each layer. → (rows, rows moved per layer
+        incl. padding)."""
         t0 = time.perf_counter()
         rows, moved = self.fetcher.fetch(rows, layers, miss_ids, dest)
         if record:
@@ -407,4 +459,4 @@ class HostDriven:
             for n, layer in enumerate(layers):
                 self.metrics.update(layer, h2d_moved_rows=moved,
                                     fetch_wait_s=0.0 if n else wait)
-        return rows
+        return rows, moved
