@@ -144,7 +144,11 @@ DTYPES = ("bfloat16", "float32", "float16")   # model.dtype: the compute (and we
 # model.model_type: the checkpoint families jlco implements (config.json `model_type`).
 # deepseek_v32: DeepSeek-V3.2(-Exp); glm_moe_dsa: GLM-5 / 5.1 / 5.2 (the same MLA + DSA, the
 # indexer's RoPE interleaved, and from 5.2 on IndexShare: layers that reuse a top-k).
-MODEL_TYPES = ("deepseek_v32", "glm_moe_dsa")
+# deepseek_v4: DeepSeek-V4 (compressed attention, hyper-connections), whose architecture
+# is its own dataclass (jlco.model.deepseek_v4.config.V4Config); ModelConfig holds the
+# MLA families only (MLA_MODEL_TYPES).
+MLA_MODEL_TYPES = ("deepseek_v32", "glm_moe_dsa")
+MODEL_TYPES = MLA_MODEL_TYPES + ("deepseek_v4",)
 MLP_LAYER_TYPES = ("dense", "sparse")
 INDEXER_TYPES = ("full", "shared")
 
@@ -246,7 +250,10 @@ class ModelConfig:
         _check(self.index_topk <= self.max_position_embeddings, f"{p}.index_topk",
                self.index_topk, f"<= max_position_embeddings ({self.max_position_embeddings})")
         _one_of(self, p, "dtype", DTYPES)
-        _one_of(self, p, "model_type", MODEL_TYPES)
+        _check(self.model_type != "deepseek_v4", f"{p}.model_type", self.model_type,
+               "one of " + ", ".join(map(repr, MLA_MODEL_TYPES)) + " (a deepseek_v4 "
+               "architecture is a jlco.model.deepseek_v4.config.V4Config)")
+        _one_of(self, p, "model_type", MLA_MODEL_TYPES)
         self._check_layer_types(p)
 
     def _check_layer_types(self, p: str) -> None:
@@ -352,6 +359,11 @@ def _hf_family(d: Mapping[str, Any]) -> dict[str, Any]:
         if d.get(key, want) != want:
             raise ConfigError(f"config.json field {key!r}={d[key]!r} is invalid: allowed "
                               f"{want!r} (the only value jlco implements)")
+    if mt == "deepseek_v4":
+        raise ConfigError("config.json field 'model_type'='deepseek_v4': deepseek_v4 is not "
+                          "wired into the engine yet (jlco.generate, jlco.serve); its model "
+                          "loads with jlco.checkpoint.deepseek_v4.load_v4 (architecture: "
+                          "jlco.model.deepseek_v4.config.V4Config)")
     kw: dict[str, Any] = {"model_type": mt}
     n = d.get("num_hidden_layers")
     mlp = d.get("mlp_layer_types")

@@ -223,3 +223,50 @@ def layer0_index_scores64(model, prompt, queries) -> list[np.ndarray]:
         w = idx.weights_proj(x)[0].double() * h ** -0.5                     # [T, H]
         return [(torch.relu(q[t] @ k[:t + 1].T * idx.softmax_scale) * w[t][:, None]
                  ).sum(0).numpy() for t in queries]
+
+
+# ----------------------------------------------------------------------------- DeepSeek-V4
+
+# A tiny DeepseekV4Config with every feature: the three attention kinds (CSA twice, so
+# its two compressors and indexer meet the overlap carry), hash and routed MoE layers,
+# a window of 8, CSA rate 4 with index_topk 3 (a 40-token prompt has 10 entries) and HCA
+# rate 8. 16 index heads: a score is exactly 0 when every head's ReLU is (2^-16 of the
+# pairs), and a tie at 0 across the top-k cut is broken differently by torch.topk and
+# lax.top_k (both valid picks); with 8 heads one in the 40-token test prompt did.
+V4_TINY = dict(
+    vocab_size=64, hidden_size=32, moe_intermediate_size=16, num_hidden_layers=4,
+    num_attention_heads=4, head_dim=16, qk_rope_head_dim=4, q_lora_rank=24, o_groups=2,
+    o_lora_rank=8, sliding_window=8,
+    layer_types=["sliding_attention", "compressed_sparse_attention",
+                 "heavily_compressed_attention", "compressed_sparse_attention"],
+    compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+    mlp_layer_types=["hash_moe", "moe", "moe", "hash_moe"], index_n_heads=16,
+    index_head_dim=8, index_topk=3, n_routed_experts=4, num_experts_per_tok=2, hc_mult=4,
+    hc_sinkhorn_iters=20, swiglu_limit=1.0)
+
+
+def build_hf_v4_model(seed: int = 0, std: float = 0.15, **overrides):
+    """Random fp32 DeepseekV4ForCausalLM from V4_TINY (| overrides). transformers
+    initialises norms to one, biases, sinks, position biases and hyper-connection bases
+    to zero and the hash table to expert 0: all are redrawn (vectors around their init
+    with std 0.5, matrices N(0, std), each hash row k distinct experts), so a dropped
+    or misplaced term shows in the logits. swiglu_limit 1 makes the clamps bite."""
+    import torch
+    from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+    torch.manual_seed(seed)
+    model = DeepseekV4ForCausalLM(DeepseekV4Config(**(V4_TINY | overrides))).float().eval()
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in list(model.named_parameters()) + list(model.named_buffers()):
+            if "inv_freq" in name:
+                continue
+            if name.endswith("tid2eid"):
+                e = model.config.n_routed_experts
+                p.copy_(torch.stack([torch.randperm(e, generator=g)[:p.shape[1]]
+                                     for _ in range(p.shape[0])]))
+            elif p.ndim == 1 or "position_bias" in name:
+                one = "norm" in name or name.endswith("scale")
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5 + float(one))
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) * std)
+    return model

@@ -16,7 +16,7 @@ import numpy as np
 from flax import nnx
 
 from jlco import native
-from jlco.config import ModelConfig
+from jlco.config import ModelConfig, RopeScaling
 
 
 def dtype_of(cfg: ModelConfig) -> jnp.dtype:
@@ -132,12 +132,24 @@ def rope_frequencies(cfg: ModelConfig) -> tuple[np.ndarray, float]:
     between the dims that complete beta_fast and beta_slow rotations over the original
     context (floored/ceiled, as DeepSeek's reference and transformers do).
     """
-    dim, base = cfg.qk_rope_head_dim, cfg.rope_theta
+    rs = cfg.rope_scaling
+    inv_freq = inv_frequencies(cfg.qk_rope_head_dim, cfg.rope_theta, rs)
+    if rs is None:
+        return inv_freq, 1.0
+    if rs.mscale and rs.mscale_all_dim:
+        att = _yarn_mscale(rs.factor, rs.mscale) / _yarn_mscale(rs.factor, rs.mscale_all_dim)
+    else:
+        att = _yarn_mscale(rs.factor, 1.0)
+    return inv_freq, float(att)
+
+
+def inv_frequencies(dim: int, base: float, rs: RopeScaling | None) -> np.ndarray:
+    """RoPE inverse frequencies [dim/2] (f32) of `dim` rotated dims, YaRN-blended when
+    `rs` is set (DeepSeek-V4's "compress" RoPE uses this with its own cos/sin scale)."""
     pos_freqs = _pow_f32(base, np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim))
     extra = (1.0 / pos_freqs).astype(np.float32)
-    rs = cfg.rope_scaling
     if rs is None:
-        return extra, 1.0
+        return extra
     inter = (1.0 / (rs.factor * pos_freqs)).astype(np.float32)
 
     def corr_dim(rot: float) -> float:
@@ -150,12 +162,7 @@ def rope_frequencies(cfg: ModelConfig) -> tuple[np.ndarray, float]:
         high += 0.001
     ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - low) / (high - low), 0, 1)
     keep = (1 - ramp).astype(np.float32)
-    inv_freq = (inter * (1 - keep) + extra * keep).astype(np.float32)
-    if rs.mscale and rs.mscale_all_dim:
-        att = _yarn_mscale(rs.factor, rs.mscale) / _yarn_mscale(rs.factor, rs.mscale_all_dim)
-    else:
-        att = _yarn_mscale(rs.factor, 1.0)
-    return inv_freq, float(att)
+    return (inter * (1 - keep) + extra * keep).astype(np.float32)
 
 
 def rope_cos_sin(cfg: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:

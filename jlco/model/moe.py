@@ -43,6 +43,11 @@ class MLP(nnx.Module):
         self.down_proj = Linear(inter, d, axes=("mlp", "embed"), dtype=dtype, rngs=rngs)
         self.gate_up = None     # `fuse`
 
+    @staticmethod
+    def act(gate: jax.Array, up: jax.Array) -> jax.Array:
+        """SwiGLU: silu(gate) · up (DeepSeek-V4's experts clamp first: a subclass)."""
+        return jax.nn.silu(gate) * up
+
     def fuse(self) -> bool:
         """gate | up as one matmul (`layers.Fused`), the separate weights dropped →
         whether it changed anything (False: already fused)."""
@@ -57,7 +62,7 @@ class MLP(nnx.Module):
             gate, up = self.gate_proj(x), self.up_proj(x)
         else:
             gate, up = self.gate_up(x)
-        return self.down_proj(jax.nn.silu(gate) * up)
+        return self.down_proj(self.act(gate, up))
 
 
 class Router(nnx.Module):
@@ -96,6 +101,11 @@ class Experts(nnx.Module):
         self.gate_proj = param(rngs, (e, d, i), dt, ("expert", "embed", "mlp"))
         self.up_proj = param(rngs, (e, d, i), dt, ("expert", "embed", "mlp"))
         self.down_proj = param(rngs, (e, i, d), dt, ("expert", "mlp", "embed"))
+
+    @staticmethod
+    def act(gate: jax.Array, up: jax.Array) -> jax.Array:
+        """SwiGLU: silu(gate) · up (DeepSeek-V4's experts clamp first: a subclass)."""
+        return jax.nn.silu(gate) * up
 
     def __call__(self, x: jax.Array, w: jax.Array, ids: jax.Array) -> jax.Array:
         """x [n, d], w/ids [n, k] → Σ_k w · expert_ids(x)  [n, d].
@@ -159,7 +169,7 @@ class Experts(nnx.Module):
         xt = xt.astype(gate_up.dtype)
         mm = native.linear if self.native and native.supports(xt, gate_up) else jnp.matmul
         gate, up = jnp.split(mm(xt, gate_up), 2, axis=-1)
-        return mm(jax.nn.silu(gate) * up, down).astype(jnp.float32)
+        return mm(self.act(gate, up), down).astype(jnp.float32)
 
     def _switched(self, x, w, ids):
         """Per-expert weights, few assignments: one assignment at a time, its expert picked
@@ -219,8 +229,8 @@ class Experts(nnx.Module):
         token = order // k
         sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
         xs = x[token].astype(self.gate_proj.dtype)
-        hid = jax.nn.silu(jax.lax.ragged_dot(xs, self.gate_proj[...], sizes)) * \
-            jax.lax.ragged_dot(xs, self.up_proj[...], sizes)
+        hid = self.act(jax.lax.ragged_dot(xs, self.gate_proj[...], sizes),
+                       jax.lax.ragged_dot(xs, self.up_proj[...], sizes))
         ys = jax.lax.ragged_dot(hid, self.down_proj[...], sizes).astype(jnp.float32)
         ys = ys * w.reshape(-1)[order][:, None]
         return jnp.zeros((n, x.shape[-1]), jnp.float32).at[token].add(ys).astype(x.dtype)
@@ -238,7 +248,7 @@ class Experts(nnx.Module):
             def one(a):
                 g, u, d = (jax.lax.dynamic_index_in_dim(p[...], it[a], keepdims=False)
                            for p in (self.gate_proj, self.up_proj, self.down_proj))
-                return (jax.nn.silu(xt @ g) * (xt @ u)) @ d
+                return self.act(xt @ g, xt @ u) @ d
 
             ys = jnp.stack([one(a) for a in range(k)]).astype(jnp.float32)
             return jnp.sum(ys * wt[:, None], axis=0).astype(x.dtype)
@@ -254,8 +264,8 @@ class Experts(nnx.Module):
         # x broadcast over experts makes each product an expert-batched matmul over the
         # weights as stored ([e, d, f]: batch, contraction, free), so XLA copies none.
         xs = jnp.broadcast_to(x.astype(self.gate_proj.dtype), (e, *x.shape))
-        hid = jax.nn.silu(jnp.einsum("end,edf->enf", xs, self.gate_proj[...])) * \
-            jnp.einsum("end,edf->enf", xs, self.up_proj[...])
+        hid = self.act(jnp.einsum("end,edf->enf", xs, self.gate_proj[...]),
+                       jnp.einsum("end,edf->enf", xs, self.up_proj[...]))
         ys = jnp.einsum("enf,efd->end", hid, self.down_proj[...]).astype(jnp.float32)
         return jnp.einsum("end,ne->nd", ys, comb).astype(x.dtype)
 

@@ -1,0 +1,114 @@
+"""DeepSeek-V4 (`deepseek_v4`) against transformers' DeepseekV4ForCausalLM, f32, tiny.
+
+The reference is `jlco.checkpoint.hf_reference.build_hf_v4_model`: 4 layers (sliding,
+CSA, HCA, CSA), hash / routed / routed / hash MoE, window 8, CSA rate 4 with index_topk
+3, HCA rate 8, every weight redrawn (norms, sinks, position biases, hyper-connection
+bases, hash table). It is saved with `save_pretrained` and loaded by jlco's loader.
+Prompts are longer than the window and than index_topk entries, and not a multiple of
+either rate, so decode completes windows of both compressors from a carried buffer.
+Tolerance: 1e-4 × max|logit| for logits, 1e-4 for log-probs (f32 summation order
+differs; measured about 1e-6).
+"""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+from safetensors.numpy import load_file, save_file
+
+from jlco.checkpoint.deepseek_v4 import canonical_name, load_v4
+from jlco.checkpoint.hf_reference import build_hf_v4_model
+from jlco.checkpoint.safetensors_io import CheckpointError
+from jlco.model.deepseek_v4 import state as v4_state
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    model = build_hf_v4_model()
+    path = tmp_path_factory.mktemp("v4") / "ckpt"
+    model.save_pretrained(path)
+    return model, path
+
+
+@pytest.fixture(scope="module")
+def loaded(reference):
+    return load_v4(reference[1], dtype="float32")
+
+
+def _prompt(batch: int, length: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 64, (batch, length))
+
+
+def test_logits_match_transformers(reference, loaded):
+    model, _ = reference
+    tokens = _prompt(2, 40, 0)
+    with torch.no_grad():
+        want = model(torch.from_numpy(tokens)).logits.numpy()
+    got = np.asarray(loaded[1](jnp.asarray(tokens)))
+    assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
+
+
+@pytest.mark.slow
+def test_greedy_decode_matches_generate(reference, loaded):
+    """Prefill 37 tokens, then 20 one-token steps through the decode state: transformers'
+    greedy tokens, and log-probs within 1e-4."""
+    model, _ = reference
+    prompt, steps = _prompt(1, 37, 1), 20
+    with torch.no_grad():
+        out = model.generate(torch.from_numpy(prompt), max_new_tokens=steps, do_sample=False,
+                             output_scores=True, return_dict_in_generate=True)
+    want_tokens = out.sequences[0, prompt.shape[1]:].numpy()
+    want_lp = torch.stack([torch.log_softmax(s[0].float(), -1) for s in out.scores]).numpy()
+    jm = loaded[1]
+    logits, state = v4_state.prefill(jm, jnp.asarray(prompt), max_len=64)
+    step = nnx.jit(v4_state.decode_step)
+    last, tokens, lps = logits[:, -1], [], []
+    for _ in range(steps):
+        tok = jnp.argmax(last, axis=-1)
+        tokens.append(int(tok[0]))
+        lps.append(np.asarray(jax.nn.log_softmax(last[0])))
+        last, state = step(jm, state, tok)
+    np.testing.assert_array_equal(np.array(tokens), want_tokens)
+    assert np.abs(np.stack(lps) - want_lp).max() <= 1e-4
+
+
+def test_sharded_and_original_names_load_the_same(reference, loaded, tmp_path):
+    """Shards (an index JSON) holding DeepSeek's unprefixed names (`embed.weight`,
+    `layers.N.…`, `hc_head_fn`) plus an MTP tensor (ignored) give the same model."""
+    _, path = reference
+    tensors = load_file(path / "model.safetensors")
+    originals = {"embed_tokens.weight": "embed.weight", "hc_head.hc_fn": "hc_head_fn",
+                 "hc_head.hc_base": "hc_head_base", "hc_head.hc_scale": "hc_head_scale"}
+    renamed = {originals.get(canonical_name(n), canonical_name(n)): t
+               for n, t in tensors.items()}
+    renamed["mtp.0.norm.weight"] = np.ones(32, np.float32)
+    names = sorted(renamed)
+    shards = {"a.safetensors": names[::2], "b.safetensors": names[1::2]}
+    for file, part in shards.items():
+        save_file({n: renamed[n] for n in part}, tmp_path / file)
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {n: f for f, part in shards.items() for n in part}}))
+    (tmp_path / "config.json").write_text((path / "config.json").read_text())
+    _, again = load_v4(tmp_path, dtype="float32")
+    tokens = jnp.asarray(_prompt(1, 12, 2))
+    np.testing.assert_array_equal(np.asarray(again(tokens)), np.asarray(loaded[1](tokens)))
+
+
+def test_loader_refuses_a_wrong_checkpoint(reference, tmp_path):
+    _, path = reference
+    tensors = load_file(path / "model.safetensors")
+    (tmp_path / "config.json").write_text((path / "config.json").read_text())
+    bad = dict(tensors)
+    del bad["model.layers.1.attn.indexer.wq_b.weight"]
+    save_file(bad, tmp_path / "model.safetensors")
+    with pytest.raises(CheckpointError, match="missing tensor 'layers.1.attn.indexer.wq_b"):
+        load_v4(tmp_path, dtype="float32")
+    bad = dict(tensors)
+    bad["model.layers.2.attn.compressor.ape"] = np.zeros((4, 16), np.float32)
+    save_file(bad, tmp_path / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"layers.2.attn.compressor.ape.*expected \[8, 16\]"):
+        load_v4(tmp_path, dtype="float32")

@@ -1,0 +1,101 @@
+"""DeepSeek-V4's config.json reader: transformers' DeepseekV4Config spellings (current
+and backward-compatible) give the same V4Config, required fields are required, and
+values jlco does not implement are refused naming the key."""
+
+import pytest
+
+from jlco.checkpoint.hf_reference import V4_TINY
+from jlco.config import ConfigError, ModelConfig
+from jlco.model.deepseek_v4.config import CSA, HCA, SLIDING, V4Config
+
+
+def _saved() -> dict:
+    """config.json as transformers writes it for V4_TINY."""
+    from transformers import DeepseekV4Config
+    return DeepseekV4Config(**V4_TINY).to_dict()
+
+
+def test_reads_what_transformers_writes():
+    cfg = V4Config.from_hf_dict(_saved())
+    assert cfg.layer_types == (SLIDING, CSA, HCA, CSA)
+    assert cfg.mlp_layer_types == ("hash_moe", "moe", "moe", "hash_moe")
+    assert (cfg.compress_rate_csa, cfg.compress_rate_hca) == (4, 8)
+    assert (cfg.qk_rope_head_dim, cfg.head_dim, cfg.swiglu_limit) == (4, 16, 1.0)
+    assert (cfg.rope_theta, cfg.compress_rope_theta, cfg.rope_scaling) == (1e4, 1.6e5, None)
+
+
+def test_backward_compatible_spellings():
+    d = _saved()
+    for key in ("layer_types", "mlp_layer_types", "compress_rates", "qk_rope_head_dim",
+                "rope_parameters"):
+        del d[key]
+    d.update(compress_ratios=[0, 4, 128, 4], num_hash_layers=1, compress_rate_csa=4,
+             compress_rate_hca=8, partial_rotary_factor=0.25,
+             rope_scaling={"type": "yarn", "factor": 16, "original_max_position_embeddings":
+                           4096, "beta_fast": 32, "beta_slow": 1})
+    cfg = V4Config.from_hf_dict(d)
+    assert cfg.layer_types == (SLIDING, CSA, HCA, CSA)
+    assert cfg.mlp_layer_types == ("hash_moe", "moe", "moe", "moe")
+    assert (cfg.compress_rate_csa, cfg.compress_rate_hca, cfg.qk_rope_head_dim) == (4, 8, 4)
+    assert cfg.rope_scaling.factor == 16 and cfg.rope_attention_factor == 1.0
+
+
+def test_default_schedules_match_transformers():
+    from transformers import DeepseekV4Config
+    hf = DeepseekV4Config(num_hidden_layers=7)
+    cfg = V4Config(num_hidden_layers=7)
+    assert list(cfg.layer_types) == hf.layer_types
+    assert list(cfg.mlp_layer_types) == hf.mlp_layer_types
+
+
+@pytest.mark.parametrize("key", ["hidden_size", "sliding_window", "index_topk", "hc_mult"])
+def test_required_fields(key):
+    d = _saved()
+    del d[key]
+    with pytest.raises(ConfigError, match=f"missing required field.*'{key}'"):
+        V4Config.from_hf_dict(d)
+
+
+def test_layer_schedule_is_required():
+    d = _saved()
+    del d["layer_types"]
+    with pytest.raises(ConfigError, match="'layer_types' or 'compress_ratios'"):
+        V4Config.from_hf_dict(d)
+
+
+@pytest.mark.parametrize("key, value, match", [
+    ("layer_types", ["sliding_attention", "full_attention", "sliding_attention",
+                     "sliding_attention"], "'layer_types'"),
+    ("mlp_layer_types", ["moe", "dense", "moe", "moe"], "'mlp_layer_types'"),
+    ("compress_ratios", [0, 4, 64, 4], "'compress_ratios'"),
+    ("scoring_func", "softmax", "model.scoring_func"),
+    ("hidden_act", "gelu", "'hidden_act'"),
+    ("quantization_config", {"quant_method": "fp8"}, "fp8 / fp4 .* not implemented yet"),
+    ("o_groups", 3, "model.o_groups"),
+])
+def test_unknown_values_are_refused(key, value, match):
+    d = _saved()
+    if key == "compress_ratios":
+        del d["layer_types"]
+    d[key] = value
+    with pytest.raises(ConfigError, match=match):
+        V4Config.from_hf_dict(d)
+
+
+def test_modelconfig_refuses_deepseek_v4():
+    with pytest.raises(ConfigError, match="V4Config"):
+        ModelConfig.from_hf_dict(_saved())
+    with pytest.raises(ConfigError, match="V4Config"):
+        ModelConfig(model_type="deepseek_v4")
+
+
+def test_engine_load_refuses_deepseek_v4(tmp_path):
+    """jlco.generate / jlco.serve load through load_model: refused, naming why."""
+    import json
+
+    from jlco.checkpoint.load import load_model
+    from jlco.checkpoint.safetensors_io import CheckpointError
+    (tmp_path / "config.json").write_text(json.dumps(_saved()))
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    with pytest.raises(CheckpointError, match="deepseek_v4.*not wired into the engine"):
+        load_model(tmp_path)
