@@ -480,6 +480,12 @@ class CacheConfig:
                        two by log-sum-exp (within f32 rounding of one attention). The
                        in-jit path refuses it: its step is one XLA program, with no host
                        in between to start the attention before the fetch.
+    prefetch_ahead:    host-driven path: while layer L computes, layer L+1's indexer scores
+                       layer L's input, and the rows it predicts that are not resident
+                       are fetched ahead (flagged as prefetched); L+1's real top-k then
+                       fetches only what the prediction missed. Exact (the real selection
+                       decides); off until measured on an accelerator. Refused in-jit as
+                       split_attention is.
     """
     offload: bool = False
     storage: str = "pinned_host"
@@ -496,6 +502,7 @@ class CacheConfig:
     prefix_cache: bool = True
     prefix_cache_tokens: int = 0
     split_attention: bool = False
+    prefetch_ahead: bool = False
 
     def __post_init__(self):
         p = "cache"
@@ -524,7 +531,7 @@ class CacheConfig:
         step is one XLA program, with no host between its selection and its attention."""
         host = self.fetch_path == "host_driven" or (self.fetch_path == "auto"
                                                     and self.storage == "file")
-        for name in ("split_attention",):
+        for name in ("split_attention", "prefetch_ahead"):
             if getattr(self, name):
                 _check(self.offload and host, f"{p}.{name}", True,
                        "False unless cache.offload=True and the host-driven fetch path "

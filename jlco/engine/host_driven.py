@@ -26,13 +26,23 @@ token-mixing matmuls (projections, MoE) stay on the full batch because XLA picks
 different kernels for different row counts (measured: batch 1 vs 2 logits differ by
 1.5e-7) and offload must equal offload-off exactly.
 
-Prefetch, honestly: what this path moves ahead of need is (1) the newest token's row,
-inserted into the hot buffer by `pre` rather than fetched, (2) the rows selected in the
-previous step, kept resident by the hot buffer, and (3) at admission the warm-up set
-(top-k of the last prefill queries), fetched in one batch per layer. Misses of the
-current step are fetched on demand, not predicted: `prefetch_threads` parallelise the
+Prefetch: what this path moves ahead of need is (1) the newest token's row, inserted
+into the hot buffer by `pre` rather than fetched, (2) the rows selected in the previous
+step, kept resident by the hot buffer, (3) at admission the warm-up set (top-k of the
+last prefill queries), fetched in one batch per layer, (4) an IndexShare group's rows,
+planned and fetched once at its full layer, and (5) with `cache.prefetch_ahead` the
+next full layer's predicted rows: after layer L's selection, `_predict` runs layer
+L+1's indexer on L's input and plans the predicted misses (`plan_prefetch`: victim
+slots flagged as prefetched); their rows are gathered and sent while L's attention and
+post run, and L+1's real selection fetches only what the prediction missed (exact: the
+real top-k decides). The rest is fetched on demand: `prefetch_threads` parallelise the
 numpy gather of a large miss list and overlap it with the transfer of earlier chunks;
 `fetch_chunk_rows` bounds the rows per transfer chunk (0 = one chunk).
+
+Split attention (`cache.split_attention`): each micro-batch's attention over the rows
+already resident is dispatched before its misses are fetched, the fetched rows are
+attended after, and the two partial results merged by log-sum-exp
+(`jlco.pallas.lse_merge`): within f32 rounding of one attention.
 """
 
 from __future__ import annotations
@@ -55,7 +65,8 @@ from jlco.model import attention, kv_cache
 from jlco.model.kv_cache import DecodeCache, cache_layers
 from jlco.offload.host_fetch import HostFetcher, miss_list
 from jlco.offload.host_pool import HostLatentPool, host_row_ids
-from jlco.offload.latent import follows, group_layers, resolve_selection, table_groups
+from jlco.offload.latent import (follows, group_layers, plan_prefetch, resolve_selection,
+                                 table_groups)
 from jlco.pallas.lse_merge import merge_by_lse
 from jlco.parallel import mesh as parallel_mesh
 
@@ -114,14 +125,15 @@ def _pre(spec, leaves, cache: DecodeCache, layer, x, cos, sin, positions):
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=2, static_argnames=("nb", "impl"))
 def _select(spec, leaves, cache: DecodeCache, layer, b0, indexer_in, positions, kernel_lengths,
-            topk=None, slot_ids=None, *, nb: int, impl: str):
+            topk=None, slot_ids=None, predicted=None, *, nb: int, impl: str):
     """Micro-batch [b0, b0+nb): top-k (`MLA.select`; in a layer that shares its top-k,
     the last full layer's `topk` [nb,s,k] instead), the lookup half of
     `offload.latent.latent_for_attention` (`resolve_selection`) → (cache, slot ids
     [nb,s,k], missed host ids [nb,M], flat destinations [nb,M] into
     rows[layer].reshape(b*m, R), −1 = none, the top-k used). `slot_ids`: a shared
     layer of a grouped table, whose full layer planned (and fetched) for it: only the
-    record, no lookup, no miss list (None, None)."""
+    record, no lookup, no miss list (None, None). `predicted` [nb,s,k]: the layer-ahead
+    prediction of this micro-batch's top-k, whose accuracy is counted."""
     if topk is None:
         view = kv_cache.batch_rows(cache, b0, nb)
         iq, iw, ik = (_slice(a, b0, nb) for a in indexer_in)
@@ -134,7 +146,7 @@ def _select(spec, leaves, cache: DecodeCache, layer, b0, indexer_in, positions, 
             jax.lax.dynamic_update_slice_in_dim(rec[layer], topk, b0, 0)))
     if slot_ids is not None:
         return cache, slot_ids, None, None, topk
-    lat, res = resolve_selection(cache.latent, layer, topk, cache.scan_len, b0)
+    lat, res = resolve_selection(cache.latent, layer, topk, cache.scan_len, b0, predicted)
     miss_ids, dest = miss_list(res, _slice(lat.page_table, b0, nb), lat.page_size,
                                lat.rows.shape[2], b0)
     return dataclasses.replace(cache, latent=lat), res.slot_ids, miss_ids, dest, topk
@@ -176,6 +188,26 @@ def _attend_part(spec, leaves, rows, layer, b0, q, slot_ids, dest, *, nb: int,
     return attention.sparse_mla(_slice(q, b0, nb), hot, jnp.where(keep, ids, -1),
                                 mla.cfg.softmax_scale, kv_format=kv_format,
                                 d_rope=mla.cfg.qk_rope_head_dim, impl=impl)
+
+
+@functools.partial(jax.jit, static_argnums=0, static_argnames=("impl",))
+def _predict(spec, leaves, view: DecodeCache, layer, x, cos, sin, positions, kernel_lengths,
+             *, impl: str):
+    """Layer-ahead prefetch (`cache.prefetch_ahead`): `layer`'s indexer (its norm,
+    projections and top-k over its cached keys, `view` a `kv_cache.layer_view` of it) on
+    the input x of the layer before it (known while that layer computes) → its predicted
+    top-k [b,s,k] (this step's own positions dropped: their rows are not in the pool
+    yet), planned against its hot buffer (`plan_prefetch`) → ((slot_pos, slot_stamp,
+    slot_pref, stats) after the plan, missed host ids [b,M], flat destinations [b,M],
+    the prediction). Only the small tables come back: the hot buffer is read, not
+    copied."""
+    block = _block(spec, leaves)
+    _, _, iq, ik, iw = block.pre(x, cos, sin)
+    guess = block.self_attn.select(view, 0, iq, iw, kernel_lengths, impl, ik, positions)
+    guess = jnp.where(guess < positions[:, :1, None], guess, -1)
+    lat, res = plan_prefetch(view.latent, layer, guess, view.scan_len)
+    miss_ids, dest = miss_list(res, lat.page_table, lat.page_size, lat.rows.shape[2])
+    return (lat.slot_pos, lat.slot_stamp, lat.slot_pref, lat.stats), miss_ids, dest, guess
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -251,6 +283,27 @@ _warm_up_tables = jax.jit(functools.partial(engine_steps.warm_up, fetch=False),
 def _close(pool: HostLatentPool, fetcher: HostFetcher) -> None:
     fetcher.close()
     pool.close()
+
+
+def _next_full(cfg: Config, i: int, n_layers: int) -> bool:
+    """Whether layer i + 1 is predicted while main layer i computes: a main layer that
+    runs its own indexer (a shared layer's rows come with its full layer's)."""
+    return i + 1 < n_layers and not cfg.model.shares_topk(i + 1)
+
+
+def _prefetch(fetcher: HostFetcher, metrics, cache: DecodeCache, layer: int, miss_ids, dest):
+    """The predicted misses of `layer` (and of the shared layers of its group) into the
+    victim slots `plan_prefetch` gave them; counted in `metrics` (None: not recorded) as
+    rows moved host→device (h2d_rows / h2d_moved_rows), not as a fetch wait (no
+    attention waits on them)."""
+    members = group_layers(cache.latent, layer)
+    ids, dest = jax.device_get((miss_ids, dest))
+    keep = dest >= 0
+    rows, moved = fetcher.send(cache.latent.rows, members, ids[keep], dest[keep])
+    if metrics is not None:
+        for m in members:
+            metrics.update(m, h2d_rows=int(keep.sum()), h2d_moved_rows=moved)
+    return dataclasses.replace(cache, latent=dataclasses.replace(cache.latent, rows=rows))
 
 
 class HostDriven:
@@ -385,18 +438,22 @@ class HostDriven:
         """Every main layer over the step's inputs → (cache, last layer's output)."""
         # The last full layer's (top-k, slot ids) per micro-batch.
         topk = [(None, None)] * len(self.micro)
+        ahead = {} if self.cfg.cache.prefetch_ahead else None
         for i, (gd, st) in enumerate(self.layers):
             with jax.named_scope(f"layer_{i}"):
                 cache, x = self._layer(i, gd, st, cache, x, cos, sin, positions, lengths,
-                                       record, topk)
+                                       record, topk, ahead)
         return cache, x
 
-    def _layer(self, i, gd, st, cache, x, cos, sin, positions, lengths, record: bool, topk):
+    def _layer(self, i, gd, st, cache, x, cos, sin, positions, lengths, record: bool, topk,
+               ahead: dict | None = None):
         """One layer, two micro-batches overlapped (see the module docstring). `topk`
         holds the last full layer's (top-k, slot ids) per micro-batch: a layer that
         shares it (IndexShare) reads it, a full layer replaces it. With grouped slot
         tables the full layer's plan and fetch cover the shared layers after it
-        (`group_layers`), so a shared layer only attends."""
+        (`group_layers`), so a shared layer only attends. `ahead` (main layers with
+        `cache.prefetch_ahead`): layer → its predicted top-k; this layer's prediction is
+        read (its accuracy counted) and the next full layer's made (`_predict_next`)."""
         layer, shared = self._ids[i], self.cfg.model.shares_topk(i)
         full, cache = cache, kv_cache.layer_view(cache, i)
         cache, q, indexer_in, new_ids, new_rows = _pre(gd, st, cache, layer, x, cos, sin,
@@ -404,16 +461,42 @@ class HostDriven:
         self.pool.write(i, new_ids, new_rows)
         follow = follows(cache.latent, shared)
         members = group_layers(cache.latent, i)
+        guess = None if ahead is None else ahead.pop(i, None)
         selected = []
         for j, (b0, nb) in enumerate(self.micro):
             prev, prev_ids = topk[j] if shared else (None, None)
             cache, slot_ids, miss_ids, dest, used = _select(
                 gd, st, cache, layer, self._b0[b0], indexer_in, positions, lengths, prev,
-                prev_ids if follow else None, nb=nb, impl=self.impl)
+                prev_ids if follow else None, None if guess is None else guess[b0:b0 + nb],
+                nb=nb, impl=self.impl)
             topk[j] = (used, slot_ids)
             selected.append((b0, nb, slot_ids, miss_ids, dest))
+        plan = None
+        if ahead is not None and _next_full(self.cfg, i, len(self.layers)):
+            cache, plan = self._predict_next(i, full, cache, x, cos, sin, positions, lengths)
+            ahead[i + 1] = plan[-1]
         cache, outs = self._attend_all(gd, st, cache, layer, q, selected, members, record)
-        return kv_cache.with_layer(full, i, cache), _post(gd, st, x, tuple(outs))
+        x = _post(gd, st, x, tuple(outs))
+        if plan is not None:   # the next layer's predicted misses move while post runs
+            cache = _prefetch(self.fetcher, self.metrics if record else None, cache, i + 1,
+                              *plan[:2])
+        return kv_cache.with_layer(full, i, cache), x
+
+    # ---- layer-ahead prefetch (`cache.prefetch_ahead`) ---------------------------
+    def _predict_next(self, i, full, cache, x, cos, sin, positions, lengths):
+        """Dispatch layer i + 1's prediction from layer i's input x (`_predict`) →
+        (cache with its plan in the slot tables, (missed host ids, destinations,
+        predicted top-k))."""
+        nxt = i + 1
+        view = kv_cache.layer_view(kv_cache.with_layer(full, i, cache), nxt)
+        gd, st = self.layers[nxt]
+        tables, miss_ids, dest, guess = _predict(gd, st, view, self._ids[nxt], x, cos, sin,
+                                                 positions, lengths, impl=self.impl)
+        slot_pos, slot_stamp, slot_pref, stats = tables
+        lat = dataclasses.replace(cache.latent, slot_pos=slot_pos, slot_stamp=slot_stamp,
+                                  slot_pref=slot_pref, stats=stats)
+        return dataclasses.replace(cache, latent=lat), (miss_ids, dest, guess)
+
 
     def _attend_all(self, gd, st, cache, layer, q, selected, members, record: bool):
         """Each micro-batch's misses fetched, then its attention → (cache, outs). With

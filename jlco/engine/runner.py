@@ -316,4 +316,5 @@ def record_stats(metrics: OffloadMetrics, stats: np.ndarray) -> None:
         metrics.update(layer, lookups=c["lookups"], hits=c["hits"], misses=c["misses"],
                        h2d_rows=c["misses"], h2d_moved_rows=c["h2d_moved_rows"],
                        d2h_rows=c["d2h_rows"], prefetch_used=c["prefetch_used"],
-                       prefetch_unused=c["prefetch_unused"])
+                       prefetch_unused=c["prefetch_unused"], predicted=c["predicted"],
+                       predicted_correct=c["predicted_correct"])

@@ -36,12 +36,15 @@ from jlco.offload.host_pool import host_row_ids, scatter_to_host
 from jlco.offload.hot_buffer import Resolution, insert_slots, resolve
 
 # Columns of OffloadLatent.stats, accumulated inside jit (read once per step by the engine).
-# PREF_USED: lookups that hit a row loaded ahead of need (the admission warm-up) and not
-# used since; PREF_UNUSED: such rows evicted, or left when their request ended, unused.
+# PREF_USED: lookups that hit a row loaded ahead of need (the admission warm-up, the
+# layer-ahead prefetch) and not used since; PREF_UNUSED: such rows evicted, or left when
+# their request ended, unused. PREDICTED: distinct positions the layer-ahead prediction
+# chose for a layer (`plan_prefetch`); PREDICTED_CORRECT: distinct positions the layer's
+# real top-k then selected among them (accuracy = correct / lookups of that layer).
 STAT_LOOKUPS, STAT_HITS, STAT_MISSES, STAT_MOVED, STAT_D2H, STAT_PREF_USED, \
-    STAT_PREF_UNUSED = range(7)
+    STAT_PREF_UNUSED, STAT_PREDICTED, STAT_PREDICTED_CORRECT = range(9)
 STAT_NAMES = ("lookups", "hits", "misses", "h2d_moved_rows", "d2h_rows", "prefetch_used",
-              "prefetch_unused")
+              "prefetch_unused", "predicted", "predicted_correct")
 
 # Batch rows one loop iteration of `update_rows` updates on XLA:CPU (empty slots skipped).
 # Measured (configs/128k.py with the tiny model, batch 32, one request): 1 → 10.3 ms a
@@ -242,22 +245,32 @@ def write_latent(lat: OffloadLatent, layer: int, data: jax.Array,
         # back would copy the layer's hot buffer every step.
         b, cap = lat.rows.shape[1:3]
         bidx = jnp.broadcast_to(jnp.arange(b)[:, None], slots.shape)
-        rows = lat.rows.at[layer, bidx, jnp.where(slots >= 0, slots, cap)].set(data, mode="drop")
+        at = jnp.where(slots >= 0, slots, cap)
+        rows = lat.rows.at[layer, bidx, at].set(data, mode="drop")
+        # A slot given to a new row loses its loaded-ahead row: unused if it was unread.
+        pref = lat.slot_pref[t]
+        evicted = jnp.where(slots >= 0, pref[bidx, jnp.minimum(at, cap - 1)], False)
+        evicted = evicted & (lat.slot_pos[t][bidx, jnp.minimum(at, cap - 1)] != new_pos)
+        wasted = jnp.where(_group_mask(lat, layer), evicted.sum(dtype=jnp.int32), 0)
         d2h = (ids >= 0).sum(dtype=jnp.int32)
         return dataclasses.replace(
             lat, host=tuple(host), rows=rows, slot_pos=pos, slot_stamp=stamp,
-            stats=lat.stats.at[layer, STAT_D2H].add(d2h))
+            slot_pref=lat.slot_pref.at[t].set(pref.at[bidx, at].set(False, mode="drop")),
+            stats=lat.stats.at[layer, STAT_D2H].add(d2h).at[:, STAT_PREF_UNUSED].add(wasted))
 
 
 def resolve_selection(lat: OffloadLatent, layer, positions: jax.Array,
-                      scan_len: int | None = None, b0=0) -> tuple[OffloadLatent, Resolution]:
+                      scan_len: int | None = None, b0=0,
+                      predicted: jax.Array | None = None) -> tuple[OffloadLatent, Resolution]:
     """The lookup half of `latent_for_attention`, for batch rows b0..b0+nb: positions
     [nb, s, k] (−1 none) of `layer` → hits / misses against the hot buffer (`resolve`;
     rows that select nothing are skipped, `update_rows`), the slot table and the
     lookup / hit / miss counters updated (of every layer of the table's group: each
     attends over these rows). Positions without a host page belong to empty batch
     slots and are not looked up. The host-driven path calls this per micro-batch
-    (`b0`, `layer` traced), the in-jit path on the whole batch."""
+    (`b0`, `layer` traced), the in-jit path on the whole batch. `predicted` [nb, s, k]:
+    the layer-ahead prediction of these positions (`plan_prefetch`); the distinct
+    positions it got right are counted (STAT_PREDICTED_CORRECT)."""
     nb = positions.shape[0]
     table = jax.lax.dynamic_slice_in_dim(lat.page_table, b0, nb, 0)
     positions = jnp.where(host_row_ids(table, positions, lat.page_size) >= 0, positions, -1)
@@ -282,6 +295,10 @@ def resolve_selection(lat: OffloadLatent, layer, positions: jax.Array,
     ].set(jnp.stack([n_lookup.sum(), n_hit.sum(), n_miss.sum(), used, wasted]
                     ).astype(jnp.int32))
     counts = jnp.where(_group_mask(lat, layer)[:, None], counts[None], 0)
+    if predicted is not None:
+        right = _common_positions(positions, predicted, bound)
+        counts = counts.at[:, STAT_PREDICTED_CORRECT].add(
+            jnp.where(jnp.arange(counts.shape[0]) == layer, right, 0))
 
     def put(t, v):
         return t.at[ti].set(jax.lax.dynamic_update_slice_in_dim(t[ti], v, b0, 0))
@@ -289,6 +306,64 @@ def resolve_selection(lat: OffloadLatent, layer, positions: jax.Array,
                                slot_stamp=put(lat.slot_stamp, stamp),
                                slot_pref=put(lat.slot_pref, pref),
                                stats=lat.stats + counts), res
+
+
+def _position_marks(positions: jax.Array, bound: int) -> jax.Array:
+    """positions [b, s, k] (−1 none) → bool [b, bound]: which positions appear."""
+    b = positions.shape[0]
+    flat = positions.reshape(b, -1)
+    ok = (flat >= 0) & (flat < bound)
+    return jnp.zeros((b, bound + 1), bool).at[
+        jnp.arange(b)[:, None], jnp.where(ok, flat, bound)].set(True)[:, :bound]
+
+
+def _common_positions(a: jax.Array, b: jax.Array, bound: int) -> jax.Array:
+    """Distinct positions (< bound) that both a and b [n, s, k] hold, summed over n."""
+    return (_position_marks(a, bound) & _position_marks(b, bound)).sum(dtype=jnp.int32)
+
+
+def plan_prefetch(lat: OffloadLatent, layer, predicted: jax.Array,
+                  scan_len: int | None = None) -> tuple[OffloadLatent, Resolution]:
+    """The layer-ahead prefetch's plan: predicted top-k positions [b, s, k] of `layer`
+    (−1 none; positions without a host page dropped) → the predicted rows not resident
+    get victim slots now (`resolve`, so the capacity bound holds), flagged loaded
+    ahead of need (slot_pref: read later → prefetched_used, evicted unread →
+    prefetched_unused). Rows already resident keep their stamps (a prediction is not a
+    use, so the eviction order the real selection sees is unchanged for them); the
+    victims are stamped with this step. Counts STAT_PREDICTED (distinct predicted
+    positions) on `layer` and the loaded-ahead rows the victims evict unread; the
+    lookup counters are the real selection's. → (lat, the resolution: its miss_pos /
+    victim_slot name the rows to fetch). Exact by construction: the real selection
+    later resolves against whatever is resident."""
+    b = predicted.shape[0]
+    predicted = jnp.where(host_row_ids(lat.page_table, predicted, lat.page_size) >= 0,
+                          predicted, -1)
+    bound = lookup_bound(lat, scan_len)
+    ti = table_index(lat, layer)
+    pos0, stamp0, pref0 = lat.slot_pos[ti], lat.slot_stamp[ti], lat.slot_pref[ti]
+
+    def lookup(tables, inputs):
+        res = resolve(*tables, *inputs, lat.step, lat.policy, num_positions=bound)
+        return (res.slot_pos, res.slot_stamp), (res.slot_ids, res.miss_pos, res.victim_slot,
+                                                res.n_miss, res.n_hit, res.n_lookup)
+
+    (pos, stamp), (slot_ids, miss, victim, n_miss, n_hit, n_lookup) = _update_layer_rows(
+        (predicted >= 0).any(axis=(1, 2)), (pos0, stamp0), (predicted,),
+        (-1, -1, -1, 0, 0, 0), lookup, None)
+    rows = jnp.arange(b)[:, None]
+    m = pos0.shape[1]
+    refilled = jnp.zeros((b, m + 1), bool).at[rows, jnp.where(victim >= 0, victim, m)].set(
+        True)[:, :m]
+    wasted = (pref0 & refilled).sum(dtype=jnp.int32)
+    stamp = jnp.where(refilled, stamp, stamp0)
+    n = lat.stats.shape[0]
+    counts = jnp.zeros_like(lat.stats).at[:, STAT_PREF_UNUSED].set(
+        jnp.where(_group_mask(lat, layer), wasted, 0)).at[:, STAT_PREDICTED].set(
+        jnp.where(jnp.arange(n) == layer, n_lookup.sum(dtype=jnp.int32), 0))
+    res = Resolution(slot_ids, miss, victim, n_miss, pos, stamp, n_hit, n_lookup)
+    return dataclasses.replace(
+        lat, slot_pos=lat.slot_pos.at[ti].set(pos), slot_stamp=lat.slot_stamp.at[ti].set(stamp),
+        slot_pref=lat.slot_pref.at[ti].set(pref0 | refilled), stats=lat.stats + counts), res
 
 
 def prefetch_use(pref: jax.Array, slot_ids: jax.Array, victim: jax.Array):

@@ -9,7 +9,7 @@ import threading
 import numpy as np
 
 COUNTERS = ("lookups", "hits", "misses", "h2d_rows", "h2d_moved_rows", "d2h_rows",
-            "prefetch_used", "prefetch_unused")
+            "prefetch_used", "prefetch_unused", "predicted", "predicted_correct")
 
 
 class OffloadMetrics:
@@ -18,9 +18,11 @@ class OffloadMetrics:
 
     def __init__(self, num_layers: int, row_bytes: int):
         if not isinstance(num_layers, int) or num_layers <= 0:
-            raise ValueError(f"OffloadMetrics: num_layers={num_layers!r} is invalid: allowed a positive integer")
+            raise ValueError(f"OffloadMetrics: num_layers={num_layers!r} is invalid: "
+                             "allowed a positive integer")
         if not isinstance(row_bytes, int) or row_bytes <= 0:
-            raise ValueError(f"OffloadMetrics: row_bytes={row_bytes!r} is invalid: allowed a positive integer")
+            raise ValueError(f"OffloadMetrics: row_bytes={row_bytes!r} is invalid: "
+                             "allowed a positive integer")
         self.num_layers, self.row_bytes = num_layers, row_bytes
         # A server scrapes from another thread: snapshots never see a half-made update
         # (hits + misses == lookups in every snapshot).
@@ -33,13 +35,14 @@ class OffloadMetrics:
 
     def update(self, layer: int, *, lookups=0, hits=0, misses=0, h2d_rows=0,
                h2d_moved_rows=0, d2h_rows=0, fetch_wait_s=0.0, prefetch_used=0,
-               prefetch_unused=0) -> None:
+               prefetch_unused=0, predicted=0, predicted_correct=0) -> None:
         if not 0 <= layer < self.num_layers:
             raise ValueError(f"OffloadMetrics.update: layer={layer} is invalid: allowed "
                              f"0..{self.num_layers - 1}")
         vals = dict(lookups=lookups, hits=hits, misses=misses, h2d_rows=h2d_rows,
                     h2d_moved_rows=h2d_moved_rows, d2h_rows=d2h_rows,
-                    prefetch_used=prefetch_used, prefetch_unused=prefetch_unused)
+                    prefetch_used=prefetch_used, prefetch_unused=prefetch_unused,
+                    predicted=predicted, predicted_correct=predicted_correct)
         vals = {k: int(np.sum(np.asarray(v))) for k, v in vals.items()}
         for k, v in vals.items():
             if v < 0:
@@ -68,7 +71,11 @@ class OffloadMetrics:
         (fetched by the step that needed them: the critical path), h2d_bytes / d2h_bytes
         (the decode steps' rows each way) and fetch_wait_s (host-driven path: time steps
         waited on fetches; the in-jit path's wait is inside the step). rows_needed =
-        rows_hit + rows_prefetched_used + rows_on_demand, per layer."""
+        rows_hit + rows_prefetched_used + rows_on_demand, per layer. With the
+        layer-ahead prefetch (`cache.prefetch_ahead`): rows_predicted (distinct positions
+        the prediction chose for the layer) and rows_predicted_correct (of those, the ones
+        its real top-k selected): recall = correct / rows_needed, precision = correct /
+        rows_predicted; both 0 with the prefetch off."""
         snap = self.snapshot()
         per = snap["per_layer"]
         layers = {
@@ -78,7 +85,9 @@ class OffloadMetrics:
             "rows_prefetched_unused": per["prefetch_unused"],
             "rows_on_demand": per["misses"],
             "h2d_bytes": per["h2d_bytes"], "d2h_bytes": per["d2h_bytes"],
-            "fetch_wait_s": per["fetch_wait_s"]}
+            "fetch_wait_s": per["fetch_wait_s"],
+            "rows_predicted": per["predicted"],
+            "rows_predicted_correct": per["predicted_correct"]}
         return {"per_layer": layers, "total": {k: sum(v) for k, v in layers.items()}}
 
     def snapshot(self) -> dict:
@@ -91,7 +100,8 @@ class OffloadMetrics:
         per["h2d_moved_bytes"] = (c["h2d_moved_rows"] * self.row_bytes).tolist()
         per["d2h_bytes"] = (c["d2h_rows"] * self.row_bytes).tolist()
         per["fetch_wait_s"] = wait.tolist()
-        per["hit_rate"] = [h / n if n else float("nan") for h, n in zip(per["hits"], per["lookups"])]
+        per["hit_rate"] = [h / n if n else float("nan")
+                           for h, n in zip(per["hits"], per["lookups"])]
         looked = sum(per["lookups"])
         total = {k: sum(v) for k, v in per.items() if k != "hit_rate"}
         total["hit_rate"] = sum(per["hits"]) / looked if looked else float("nan")
