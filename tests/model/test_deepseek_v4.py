@@ -10,6 +10,7 @@ Tolerance: 1e-4 × max|logit| for logits, 1e-4 for log-probs (f32 summation orde
 differs; measured about 1e-6).
 """
 
+import copy
 import json
 
 import jax
@@ -94,8 +95,12 @@ def test_sharded_and_original_names_load_the_same(reference, loaded, tmp_path):
         {"weight_map": {n: f for f, part in shards.items() for n in part}}))
     (tmp_path / "config.json").write_text((path / "config.json").read_text())
     _, again = load_v4(tmp_path, dtype="float32")
-    tokens = jnp.asarray(_prompt(1, 12, 2))
-    np.testing.assert_array_equal(np.asarray(again(tokens)), np.asarray(loaded[1](tokens)))
+    want = dict(nnx.to_flat_state(nnx.state(loaded[1])))
+    got = dict(nnx.to_flat_state(nnx.state(again)))
+    assert got.keys() == want.keys()
+    for path, var in want.items():
+        np.testing.assert_array_equal(np.asarray(got[path].get_value()),
+                                      np.asarray(var.get_value()), err_msg=str(path))
 
 
 def test_loader_refuses_a_wrong_checkpoint(reference, tmp_path):
@@ -112,3 +117,19 @@ def test_loader_refuses_a_wrong_checkpoint(reference, tmp_path):
     save_file(bad, tmp_path / "model.safetensors")
     with pytest.raises(CheckpointError, match=r"layers.2.attn.compressor.ape.*expected \[8, 16\]"):
         load_v4(tmp_path, dtype="float32")
+
+
+@pytest.mark.slow
+def test_bf16_checkpoint(reference, tmp_path):
+    """A bf16 save (hyper-connections, norms, sinks, position biases stay f32, as
+    transformers keeps them) loads; computed in f32 it gives transformers' f32 logits
+    on the same bf16 weights."""
+    from transformers import DeepseekV4ForCausalLM
+    copy.deepcopy(reference[0]).to(torch.bfloat16).save_pretrained(tmp_path)
+    ref = DeepseekV4ForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    tokens = _prompt(1, 24, 3)
+    with torch.no_grad():
+        want = ref(torch.from_numpy(tokens)).logits.numpy()
+    _, jm = load_v4(tmp_path, dtype="float32")
+    got = np.asarray(jm(jnp.asarray(tokens)))
+    assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
