@@ -7,7 +7,9 @@ unprefixed) and as its conversion accepts them unprefixed (`embed.weight`,
 `hc_head_fn`, `layers.N.…`): both spellings load (docs/facts.md §7). Routed experts
 are one tensor per expert (`ffn.experts.E.w1/w2/w3`), stacked here. MTP tensors
 (`mtp.*`) are ignored, as transformers ignores them. fp8 / fp4 block-quantised weights
-are refused (their config carries `quantization_config`, which V4Config refuses).
+(`X.weight` + `X.scale`) are dequantised to f32 as they are read
+(`jlco.checkpoint.deepseek_v4_quant`). Every tensor is read whole into host memory
+(no streaming, no mesh placement yet): fine for test-sized and mid-sized checkpoints.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jlco.checkpoint import deepseek_v4_quant as quant
 from jlco.checkpoint import safetensors_io as st
 from jlco.checkpoint.safetensors_io import CheckpointError
 from jlco.config import ConfigError
@@ -179,8 +182,7 @@ def _read(e: st.TensorEntry, dtype: np.dtype) -> np.ndarray:
         return np.asarray(raw, np.int32)
     if e.dtype not in ("F32", "BF16"):
         raise CheckpointError(f"tensor {e.name!r} ({e.file.name}) has dtype {e.dtype}: "
-                              "deepseek_v4 loads F32 / BF16 weights (fp8 / fp4 block formats "
-                              "are not implemented yet)")
+                              "allowed F32, BF16, or a quantised weight with its scale")
     arr = np.array(st.read_tensor(e), dtype=dtype)
     if not np.isfinite(arr).all():
         raise CheckpointError(f"tensor {e.name!r} ({e.file.name}) holds NaN or Inf")
@@ -192,14 +194,19 @@ def load_v4(path: str | pathlib.Path, **overrides: Any) -> tuple[V4Config, Deeps
     `overrides` apply to the config (e.g. dtype="float32")."""
     cfg = read_v4_config(path, **overrides)
     entries_ = st.index_checkpoint(path)
+    scales = quant.pair_scales(entries_)
     names: dict[str, st.TensorEntry] = {}
     for name, e in entries_.items():
         canon = canonical_name(name)
+        if quant.is_scale(name) or any(p.fullmatch(canon) for p in _IGNORED):
+            continue
         if canon in names:
             raise CheckpointError(f"tensor {name!r} and {names[canon].name!r} are the same "
                                   "tensor under two spellings")
         names[canon] = e
-    dt = np.dtype(np.float32)
-    tensors = {n: _read(e, dt) for n, e in names.items()
-               if not any(p.fullmatch(n) for p in _IGNORED)}
+    tensors = {}
+    for n, e in names.items():
+        scale = scales.get(e.name)
+        tensors[n] = (_read(e, np.dtype(np.float32)) if scale is None
+                      else quant.read_dequantized(e, scale))
     return cfg, model_from_tensors(cfg, tensors)

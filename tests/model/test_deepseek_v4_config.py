@@ -70,7 +70,8 @@ def test_layer_schedule_is_required():
     ("compress_ratios", [0, 4, 64, 4], "'compress_ratios'"),
     ("scoring_func", "softmax", "model.scoring_func"),
     ("hidden_act", "gelu", "'hidden_act'"),
-    ("quantization_config", {"quant_method": "fp8"}, "fp8 / fp4 .* not implemented yet"),
+    ("quantization_config", {"quant_method": "gptq"}, "quantization_config.quant_method"),
+    ("expert_dtype", "fp6", "'expert_dtype'"),
     ("o_groups", 3, "model.o_groups"),
 ])
 def test_unknown_values_are_refused(key, value, match):

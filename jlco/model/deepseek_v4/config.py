@@ -179,10 +179,18 @@ def _refuse_unimplemented(d: Mapping[str, Any]) -> None:
         if d.get(key, want) != want:
             raise ConfigError(f"config.json field {key!r}={d[key]!r} is invalid: allowed "
                               f"{want!r} (the only value jlco implements for deepseek_v4)")
-    if d.get("quantization_config") is not None or d.get("expert_dtype") is not None:
-        raise ConfigError("config.json field 'quantization_config' is set: deepseek_v4 with "
-                          "fp8 / fp4 block-quantised weights is not implemented yet (load a "
-                          "bf16 or f32 checkpoint)")
+    q = d.get("quantization_config")
+    if q is not None:
+        _check(isinstance(q, Mapping), "config.json field 'quantization_config'", q,
+               "a JSON object or null")
+        for key, allowed in (("quant_method", ("fp8",)), ("fmt", ("e4m3", None)),
+                             ("scale_fmt", ("ue8m0", None)),
+                             ("expert_dtype", ("fp4", "fp8", None))):
+            _check(q.get(key) in allowed, f"config.json field 'quantization_config.{key}'",
+                   q.get(key), " or ".join(repr(a) for a in allowed if a is not None)
+                   + " (the block formats jlco dequantises at load)")
+    _check(d.get("expert_dtype") in ("fp4", "fp8", None), "config.json field 'expert_dtype'",
+           d.get("expert_dtype"), "'fp4' or 'fp8'")
 
 
 def _int_field(d: Mapping[str, Any], key: str) -> int:
