@@ -60,9 +60,10 @@ def test_mla_dense_uses_both_forms_with_one_result():
     cos = jnp.ones((1, 1, CFG.qk_rope_head_dim // 2), jnp.float32)
     sin = jnp.zeros_like(cos)
     heads, latent = 0, 0
-    for s in (16, 256):             # below and above the break-even for the tiny shape
-        x = jax.random.normal(jax.random.PRNGKey(s), (1, s, d), jnp.float32)
-        pos = jax.random.randint(jax.random.PRNGKey(s + 1), (1, s, 8), 0, 64)
+
+    @jax.jit                        # one program per chunk size, not ~150 op-by-op ones
+    def both(x, pos):
+        s = x.shape[1]
         cos_s, sin_s = (jnp.broadcast_to(a, (1, s, a.shape[-1])) for a in (cos, sin))
         hq = mla.head_queries(mla.q_a_layernorm(mla.q_a_proj(x)), cos_s, sin_s)
         q = mla.absorb(*hq)
@@ -70,6 +71,12 @@ def test_mla_dense_uses_both_forms_with_one_result():
         want = mla.post(attention.sparse_mla_dense(q, rows, pos, CFG.softmax_scale,
                                                    kv_format="f32",
                                                    d_rope=CFG.qk_rope_head_dim), x.dtype)
+        return got, want
+
+    for s in (16, 256):             # below and above the break-even for the tiny shape
+        x = jax.random.normal(jax.random.PRNGKey(s), (1, s, d), jnp.float32)
+        pos = jax.random.randint(jax.random.PRNGKey(s + 1), (1, s, 8), 0, 64)
+        got, want = both(x, pos)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
         cheaper = attention.heads_cheaper(s, CFG.kv_lora_rank, CFG.qk_nope_head_dim,
                                           CFG.v_head_dim)

@@ -208,8 +208,8 @@ def test_sim_batch_limit_uses_the_union():
 # ------------------------------------------------------------------------- indexer band
 
 @pytest.fixture(scope="module")
-def sim_out():
-    return sim.run("h200")
+def sim_out(h200_sim):
+    return h200_sim        # tests/planning/conftest.py: one run per test process
 
 
 def test_sim_128k_row_carries_the_indexer_band(sim_out):

@@ -9,8 +9,8 @@ from jlco.planning import throughput as sim
 
 
 @pytest.fixture(scope="module")
-def out():
-    return sim.run("h200")
+def out(h200_sim):
+    return h200_sim        # tests/planning/conftest.py: one run per test process
 
 
 def test_calibration_rows_within_7_percent(out):
