@@ -43,7 +43,8 @@ def _outputs(reqs):
     return [(r.tokens, r.logprobs, r.top_out, r.finish_reason) for r in reqs]
 
 
-@pytest.mark.parametrize("offload", [False, True])
+# offload on: the slow tier (pyproject.toml); offloaded engines elsewhere run async too
+@pytest.mark.parametrize("offload", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_tokens_equal_synchronous_steps(model, offload):
     cfg = BASE.replace(cache__offload=offload)
     sync, want = _workload(cfg.replace(**SYNC), model)

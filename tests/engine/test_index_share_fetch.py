@@ -104,6 +104,9 @@ def test_in_jit_step_plans_and_fetches_once_per_group(glm_model, monkeypatch):
     assert all(sh[1] == b * m for sh in shapes), shapes
 
 
+# the slow tier (pyproject.toml): the in-jit path's count test and the host-driven
+# equality test (test_in_jit_offload_equals_off_and_host_driven) stay in the default one
+@pytest.mark.slow
 def test_host_driven_step_plans_and_fetches_once_per_group(glm_model, glm_prompts,
                                                            monkeypatch):
     """Per decode step of the host-driven engine: one miss list back and at most one

@@ -88,6 +88,7 @@ def test_greedy_tokens_follow_the_reference_rules(pair, offload):
     assert 11 not in req.tokens                          # biased by -100
 
 
+@pytest.mark.slow   # the slow tier; the plain engine's penalty tests stay in the default one
 def test_speculative_steps_emit_the_plain_tokens():
     model = DeepseekV32(CFG.model, rngs=nnx.Rngs(0))     # with its MTP layer
     prompts = _prompts()

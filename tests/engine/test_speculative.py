@@ -256,6 +256,7 @@ def test_sampling_draws_the_plain_engine_tokens(model, prompts, greedy):
     assert eng.spec_metrics.acceptance_rate == 1.0
 
 
+@pytest.mark.slow   # the slow tier; test_engine.py keeps an abort test in the default one
 def test_abort_mid_run_frees_everything(model, prompts, greedy):
     eng = Engine(BASE.replace(engine__num_draft_tokens=2, cache__offload=True), model,
                  drafter=_MixedDrafter(greedy[1]))   # shares the mixed run's compile

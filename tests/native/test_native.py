@@ -124,12 +124,11 @@ def _decode_logits(model, cfg, tokens, cache):
     return step(state, cache, tokens), lowered.as_text()
 
 
-@pytest.mark.parametrize("s", [1, 2], ids=["decode", "two_query_tokens"])
-def test_the_model_routes_decode_sized_products_through_the_kernels(s):
-    """The CPU engine's model (experts unstacked, projections fused) with and without
-    `use_native_matmuls`: the same logits within f32 summation order; the projections,
-    experts, W_UK and W_UV of a decode-sized step run the kernels, and a prefill-sized
-    step (more than MAX_ROWS rows) keeps XLA's dot for all but its 8-row expert tiles."""
+@pytest.fixture(scope="module")
+def routed_models():
+    """The CPU engine's model (experts unstacked, projections fused), a copy of it with
+    `use_native_matmuls`, and a cache of 3 requests of 20 tokens: built once for both
+    cases below (neither changes them: no argument is donated)."""
     cfg = load_config("configs/tiny.py")
     model = DeepseekV32(cfg.model, rngs=nnx.Rngs(0))
     unstack_experts(model)
@@ -142,6 +141,16 @@ def test_the_model_routes_decode_sized_products_through_the_kernels(s):
     graphdef, state = nnx.split(model)
     _, cache = jax.jit(lambda st, c, t: nnx.merge(graphdef, st)(t, c, impl="xla"))(
         state, cache, warm)
+    return cfg, model, fast, cache, b
+
+
+@pytest.mark.parametrize("s", [1, 2], ids=["decode", "two_query_tokens"])
+def test_the_model_routes_decode_sized_products_through_the_kernels(routed_models, s):
+    """The CPU engine's model with and without `use_native_matmuls`: the same logits
+    within f32 summation order; the projections, experts, W_UK and W_UV of a decode-sized
+    step run the kernels, and a prefill-sized step (more than MAX_ROWS rows) keeps XLA's
+    dot for all but its 8-row expert tiles."""
+    cfg, model, fast, cache, b = routed_models
     tokens = jax.random.randint(jax.random.PRNGKey(2), (b, s), 0, cfg.model.vocab_size)
     ref, ref_text = _decode_logits(model, cfg, tokens, cache)
     out, text = _decode_logits(fast, cfg, tokens, cache)
