@@ -55,8 +55,9 @@ def test_logits_match_transformers(reference, loaded):
 
 @pytest.mark.slow
 def test_greedy_decode_matches_generate(reference, loaded):
-    """Prefill 37 tokens, then 20 one-token steps through the decode state: transformers'
-    greedy tokens, and log-probs within 1e-4."""
+    """Prefill 37 tokens in chunks of 5 (across window and rate boundaries), then 20
+    one-token steps through the decode state: transformers' greedy tokens, and
+    log-probs within 1e-4."""
     model, _ = reference
     prompt, steps = _prompt(1, 37, 1), 20
     with torch.no_grad():
@@ -65,7 +66,7 @@ def test_greedy_decode_matches_generate(reference, loaded):
     want_tokens = out.sequences[0, prompt.shape[1]:].numpy()
     want_lp = torch.stack([torch.log_softmax(s[0].float(), -1) for s in out.scores]).numpy()
     jm = loaded[1]
-    logits, state = v4_state.prefill(jm, jnp.asarray(prompt), max_len=64)
+    logits, state = v4_state.prefill(jm, jnp.asarray(prompt), max_len=64, chunk=5)
     step = nnx.jit(v4_state.decode_step)
     last, tokens, lps = logits[:, -1], [], []
     for _ in range(steps):
@@ -75,6 +76,44 @@ def test_greedy_decode_matches_generate(reference, loaded):
         last, state = step(jm, state, tok)
     np.testing.assert_array_equal(np.array(tokens), want_tokens)
     assert np.abs(np.stack(lps) - want_lp).max() <= 1e-4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("chunk", [3])
+def test_chunked_prefill_equals_the_full_forward(loaded, chunk):
+    jm = loaded[1]
+    tokens = jnp.asarray(_prompt(2, 29, 4))
+    logits, state = v4_state.prefill(jm, tokens, max_len=32, chunk=chunk)
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(jm(tokens)), atol=5e-5)
+    np.testing.assert_array_equal(np.asarray(state["pos"]), [29, 29])
+
+
+@pytest.mark.slow
+def test_batched_decode_rows_at_their_own_positions(loaded):
+    """Two requests prefilled alone (13 and 22 tokens), installed into a batch of two and
+    decoded together: each row's logits are those of decoding it alone."""
+    jm = loaded[1]
+    step = nnx.jit(v4_state.decode_step)
+    prompts = [_prompt(1, 13, 5), _prompt(1, 22, 6)]
+    batch = v4_state.init_state(jm.cfg, 2, 40)
+    alone, nxt = [], []
+    for slot, p in enumerate(prompts):
+        logits, one = v4_state.prefill(jm, jnp.asarray(p), max_len=40)
+        batch = v4_state.install(batch, slot, one)
+        nxt.append(jnp.argmax(logits[:, -1], axis=-1))
+        rows = []
+        tok = nxt[-1]
+        for _ in range(6):
+            lg, one = step(jm, one, tok)
+            rows.append(np.asarray(lg[0]))
+            tok = jnp.argmax(lg, axis=-1)
+        alone.append(np.stack(rows))
+    tok = jnp.concatenate(nxt)
+    for i in range(6):
+        lg, batch = step(jm, batch, tok)
+        for r in range(2):
+            np.testing.assert_allclose(np.asarray(lg[r]), alone[r][i], atol=1e-5)
+        tok = jnp.argmax(lg, axis=-1)
 
 
 def test_sharded_and_original_names_load_the_same(reference, loaded, tmp_path):

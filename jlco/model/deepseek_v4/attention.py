@@ -59,21 +59,19 @@ class Compressor(nnx.Module):
         cos, sin = cos_sin(self.rope, first)
         return rope_tail(e, cos, sin)
 
-    def windows(self, kv: jax.Array, gate: jax.Array, prev=None):
-        """All complete windows of a sequence starting at position 0: kv / gate
-        [b, L, out] → entries [b, L // rate, c]. `prev` (overlap only): the (kv, gate)
-        [b, rate, c] Ca slots before window 0 (None: empty, zero value / −inf gate)."""
+    def windows(self, kv: jax.Array, gate: jax.Array) -> jax.Array:
+        """All complete windows of a sequence from position 0 (at least one): kv / gate
+        [b, L, o] → entries [b, L // rate, c]; window 0's Ca slots are empty (zero
+        value, −inf gate)."""
         b, L, out = kv.shape
         n, m, c = L // self.rate, self.rate, self.width
-        if n == 0:
-            return jnp.zeros((b, 0, c), kv.dtype)
         kv = kv[:, :n * m].reshape(b, n, m, out)
         gate = gate[:, :n * m].reshape(b, n, m, out)
         if self.overlap:
-            if prev is None:
-                prev = (jnp.zeros((b, m, c), kv.dtype), jnp.full((b, m, c), NEG_INF, F32))
-            ca_kv = jnp.concatenate([prev[0][:, None], kv[:, :-1, :, :c]], axis=1)
-            ca_gate = jnp.concatenate([prev[1][:, None], gate[:, :-1, :, :c]], axis=1)
+            empty_kv = jnp.zeros((b, 1, m, c), kv.dtype)
+            empty_gate = jnp.full((b, 1, m, c), NEG_INF, F32)
+            ca_kv = jnp.concatenate([empty_kv, kv[:, :-1, :, :c]], axis=1)
+            ca_gate = jnp.concatenate([empty_gate, gate[:, :-1, :, :c]], axis=1)
             kv = jnp.concatenate([ca_kv, kv[..., c:]], axis=2)
             gate = jnp.concatenate([ca_gate, gate[..., c:]], axis=2)
         first = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32) * m, (b, n))
@@ -188,34 +186,27 @@ class V4Attention(nnx.Module):
     def attend(self, q, parts):
         return attend(q, parts, self.attn_sink[...], self.cfg.head_dim ** -0.5)
 
-    def __call__(self, x: jax.Array, positions: jax.Array):
-        """Full sequence from position 0: x [b, L, d] → (out [b, L, d], what a decode
-        state needs: kv, the compressors' projections and entries)."""
+    def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+        """Full sequence from position 0, no state: x [b, L, d] → [b, L, d]. The plain
+        form of `jlco.model.deepseek_v4.state.attention_chunk` (which equals it)."""
         cfg = self.cfg
-        L = x.shape[1]
+        b, L, _ = x.shape
         q, kv, qr, (cos, sin) = self.project(x, positions)
         pos = jnp.arange(L)
         band = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - cfg.sliding_window)
-        parts = [(kv, jnp.broadcast_to(band, (x.shape[0], L, L)))]
-        aux = {"kv": kv}
-        if self.compressor is not None:
-            comp = self.compressor.project(x, positions)
-            entries = self.compressor.windows(*comp)
-            aux.update(comp=comp, entries=entries)
+        parts = [(kv, jnp.broadcast_to(band, (b, L, L)))]
+        if self.compressor is not None and L >= self.compressor.rate:
+            entries = self.compressor.windows(*self.compressor.project(x, positions))
             n = entries.shape[1]
-            ready = (positions + 1) // self.compressor.rate
-            visible = jnp.arange(n)[None, None, :] < ready[..., None]
+            visible = jnp.arange(n) < ((positions + 1) // self.compressor.rate)[..., None]
             if self.indexer is not None:
-                icomp = self.indexer.compressor.project(x, positions)
-                keys = self.indexer.compressor.windows(*icomp)
-                aux.update(icomp=icomp, ikeys=keys)
-            if n and self.indexer is not None:
+                ic = self.indexer.compressor
+                keys = ic.windows(*ic.project(x, positions))
                 iq, w = self.indexer.queries(x, qr, cos, sin)
                 ids, ok = topk_picks(self.indexer.scores(iq, w, keys), visible,
                                      min(cfg.index_topk, n))
                 b_i, s_i = jnp.indices(ids.shape[:2])
                 visible = jnp.zeros(visible.shape, bool).at[
                     b_i[..., None], s_i[..., None], ids].max(ok)
-            if n:
-                parts.append((entries, visible))
-        return self.output(self.attend(q, parts), cos, sin), aux
+            parts.append((entries, visible))
+        return self.output(self.attend(q, parts), cos, sin)

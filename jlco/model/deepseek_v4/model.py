@@ -1,7 +1,7 @@
 """DeepSeek-V4 in Flax NNX: the decoder layer (hyper-connection → attention →
-hyper-connection → MoE, on N residual streams), the model (embedding copied into the N
-streams, the hyper head, norm, LM head), a full-sequence forward, and prefill / decode
-steps over a `jlco.model.deepseek_v4.state` decode state.
+hyper-connection → MoE, on N residual streams) and the model (embedding copied into the N
+streams, the hyper head, norm, LM head) with its stateless full-sequence forward;
+prefill and decode over a state are `jlco.model.deepseek_v4.state`.
 
 Parameter names follow the checkpoint's (DeepSeek's) names, so
 `jlco.checkpoint.deepseek_v4` maps them one to one.
@@ -42,11 +42,10 @@ class V4DecoderLayer(nnx.Module):
         return hc_merge(streams, y, post, comb)
 
     def __call__(self, streams: jax.Array, tokens: jax.Array, positions: jax.Array):
-        """Full sequence: streams [b, L, N, d] → (streams, the attention's decode aux)."""
+        """Full sequence: streams [b, L, N, d] → streams."""
         post, comb, x = self.attn_input(streams)
-        a, aux = self.attn(x, positions)
-        streams = hc_merge(streams, a, post, comb)
-        return self.ffn_block(streams, tokens), aux
+        streams = hc_merge(streams, self.attn(x, positions), post, comb)
+        return self.ffn_block(streams, tokens)
 
 
 class DeepseekV4(nnx.Module):
@@ -69,15 +68,11 @@ class DeepseekV4(nnx.Module):
         h = self.norm(self.hc_head(streams)).astype(streams.dtype)
         return self.head(h).astype(F32)
 
-    def forward(self, tokens: jax.Array):
-        """tokens [b, L] from position 0 → (logits [b, L, V] f32, per-layer aux)."""
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        """tokens [b, L] from position 0, no state → logits [b, L, V] f32."""
         b, L = tokens.shape
         positions = jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), (b, L))
-        streams, auxes = self.streams(tokens), []
+        streams = self.streams(tokens)
         for layer in self.layers:
-            streams, aux = layer(streams, tokens, positions)
-            auxes.append(aux)
-        return self.logits(streams), auxes
-
-    def __call__(self, tokens: jax.Array) -> jax.Array:
-        return self.forward(tokens)[0]
+            streams = layer(streams, tokens, positions)
+        return self.logits(streams)

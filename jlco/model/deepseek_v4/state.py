@@ -1,17 +1,18 @@
-"""DeepSeek-V4's per-request decode state, and prefill / one-token decode steps over it.
+"""DeepSeek-V4's per-request decode state, and the step that extends it by a chunk of
+tokens: prefill (in chunks of any size, from any position) and decode (a chunk of one)
+are the same step.
 
 Per layer (b requests, W sliding_window, m the layer's compress rate, T = max_len // m,
 c the compressor width, o = 2c with the CSA overlap, else c):
 - `window` [b, W, D]: the last W keys (= values), token p at slot p % W.
 - `comp` (CSA / HCA) and `index` (CSA's indexer, c = D_I):
-  `entries` [b, T, c] (indexer: its keys), entry i pooled from tokens i·m … i·m+m−1;
+  `entries` [b, T, c] (the indexer's: its keys), entry i pooled from tokens
+  i·m … i·m+m−1 and written when token i·m+m−1 arrives;
   `buf_kv` / `buf_gate` [b, m, o]: the open window's projections (gate with its slot's
   position bias), token p at slot p % m;
   `prev_kv` / `prev_gate` [b, m, c] (overlap only): the last complete window's Ca half,
   which the next entry pools with its own Cb half (zero / −inf before the first).
-Entry i exists once token i·m+m−1 is in: after token p, (p+1) // m entries. `pos` [b]:
-tokens so far (the next token's position). Prefill takes prompts of one length from
-position 0; decode steps take one token per request, each at its own position.
+`pos` [b]: tokens so far, the next token's position; each request has its own.
 """
 
 from __future__ import annotations
@@ -21,125 +22,156 @@ import jax.numpy as jnp
 
 from jlco.model.deepseek_v4.attention import NEG_INF, Compressor, V4Attention, topk_picks
 from jlco.model.deepseek_v4.blocks import hc_merge
+from jlco.model.deepseek_v4.config import CSA, V4Config
 from jlco.model.deepseek_v4.model import DeepseekV4, V4DecoderLayer
+from jlco.model.layers import dtype_of
 
 F32 = jnp.float32
 
 
-def _comp_state(c: Compressor, proj, entries, max_len: int) -> dict:
-    """A compressor's state after a prompt of L tokens: proj = (kv, gate) [b, L, o],
-    entries [b, L // m, c]."""
-    kv, gate = proj
-    b, L, o = kv.shape
+def _comp_init(b: int, rate: int, width: int, overlap: bool, max_len: int, dt) -> dict:
+    o = 2 * width if overlap else width
+    st = {"entries": jnp.zeros((b, max_len // rate, width), dt),
+          "buf_kv": jnp.zeros((b, rate, o), dt), "buf_gate": jnp.zeros((b, rate, o), F32)}
+    if overlap:
+        st["prev_kv"] = jnp.zeros((b, rate, width), dt)
+        st["prev_gate"] = jnp.full((b, rate, width), NEG_INF, F32)
+    return st
+
+
+def init_state(cfg: V4Config, batch: int, max_len: int) -> dict:
+    """An empty state for `batch` requests of up to max_len tokens each."""
+    dt, layers = dtype_of(cfg), []
+    for i in range(cfg.num_hidden_layers):
+        st = {"window": jnp.zeros((batch, cfg.sliding_window, cfg.head_dim), dt)}
+        rate = cfg.compress_rate(i)
+        if rate:
+            csa = cfg.layer_types[i] == CSA
+            st["comp"] = _comp_init(batch, rate, cfg.head_dim, csa, max_len, dt)
+            if csa:
+                st["index"] = _comp_init(batch, rate, cfg.index_head_dim, True, max_len, dt)
+        layers.append(st)
+    return {"pos": jnp.zeros((batch,), jnp.int32), "layers": layers}
+
+
+def _comp_chunk(c: Compressor, st: dict, x: jax.Array, p0: jax.Array) -> dict:
+    """Add tokens p0 … p0+s−1 (x [b, s, d]) to a compressor: laid after the open
+    window's r = p0 % m buffered tokens, every window they complete becomes an entry."""
+    b, s, _ = x.shape
     m, w = c.rate, c.width
-    n = L // m
-    if max_len // m < n:
-        raise ValueError(f"max_len={max_len} holds {max_len // m} entries, the prompt "
-                         f"has {n}")
-    st = {"entries": jnp.zeros((b, max_len // m, w), kv.dtype).at[:, :n].set(entries),
-          "buf_kv": jnp.zeros((b, m, o), kv.dtype).at[:, :L - n * m].set(kv[:, n * m:]),
-          "buf_gate": jnp.zeros((b, m, o), F32).at[:, :L - n * m].set(gate[:, n * m:])}
+    rows = jnp.arange(b)[:, None]
+    kv, gate = c.project(x, p0[:, None] + jnp.arange(s))
+    r = p0 % m
+    nw = -(-(m + s) // m)                      # windows the extended run can touch
+    slots = r[:, None] + jnp.arange(s)
+    ext_kv = jnp.zeros((b, nw * m, kv.shape[-1]), kv.dtype).at[:, :m].set(st["buf_kv"])
+    ext_gate = jnp.zeros((b, nw * m, kv.shape[-1]), F32).at[:, :m].set(st["buf_gate"])
+    ext_kv = ext_kv.at[rows, slots].set(kv).reshape(b, nw, m, -1)
+    ext_gate = ext_gate.at[rows, slots].set(gate).reshape(b, nw, m, -1)
     if c.overlap:
-        if n:
-            st["prev_kv"] = kv[:, (n - 1) * m:n * m, :w]
-            st["prev_gate"] = gate[:, (n - 1) * m:n * m, :w]
-        else:
-            st["prev_kv"] = jnp.zeros((b, m, w), kv.dtype)
-            st["prev_gate"] = jnp.full((b, m, w), NEG_INF, F32)
-    return st
-
-
-def _layer_state(attn: V4Attention, aux: dict, max_len: int) -> dict:
-    kv = aux["kv"]
-    b, L, dh = kv.shape
-    w = attn.cfg.sliding_window
-    keep = jnp.arange(max(L - w, 0), L)
-    st = {"window": jnp.zeros((b, w, dh), kv.dtype).at[:, keep % w].set(kv[:, keep])}
-    if attn.compressor is not None:
-        st["comp"] = _comp_state(attn.compressor, aux["comp"], aux["entries"], max_len)
-    if attn.indexer is not None:
-        st["index"] = _comp_state(attn.indexer.compressor, aux["icomp"], aux["ikeys"], max_len)
-    return st
-
-
-def prefill(model: DeepseekV4, tokens: jax.Array, max_len: int):
-    """tokens [b, L] (one length, from position 0) → (logits [b, L, V] f32, state) with
-    room for max_len tokens in all."""
-    b, L = tokens.shape
-    if L > max_len:
-        raise ValueError(f"prompt of {L} tokens is longer than max_len={max_len}")
-    logits, auxes = model.forward(tokens)
-    layers = [_layer_state(layer.attn, aux, max_len) for layer, aux in zip(model.layers, auxes)]
-    return logits, {"pos": jnp.full((b,), L, jnp.int32), "layers": layers}
-
-
-def _comp_step(c: Compressor, st: dict, x: jax.Array, p: jax.Array) -> dict:
-    """Add token p (x [b, 1, d]) to a compressor's open window; the window it completes
-    (where (p+1) % m == 0) becomes entry p // m."""
-    b, m, w = x.shape[0], c.rate, c.width
-    rows = jnp.arange(b)
-    kv, gate = c.project(x, p[:, None])
-    slot = p % m
-    buf_kv = st["buf_kv"].at[rows, slot].set(kv[:, 0])
-    buf_gate = st["buf_gate"].at[rows, slot].set(gate[:, 0])
-    if c.overlap:
-        slots_kv = jnp.concatenate([st["prev_kv"], buf_kv[..., w:]], axis=1)
-        slots_gate = jnp.concatenate([st["prev_gate"], buf_gate[..., w:]], axis=1)
+        ca_kv = jnp.concatenate([st["prev_kv"][:, None], ext_kv[:, :-1, :, :w]], axis=1)
+        ca_gate = jnp.concatenate([st["prev_gate"][:, None], ext_gate[:, :-1, :, :w]], axis=1)
+        pool_kv = jnp.concatenate([ca_kv, ext_kv[..., w:]], axis=2)
+        pool_gate = jnp.concatenate([ca_gate, ext_gate[..., w:]], axis=2)
     else:
-        slots_kv, slots_gate = buf_kv, buf_gate
-    entry = c.pool(slots_kv, slots_gate, p + 1 - m)
-    done = (p + 1) % m == 0
-    i = jnp.minimum(p // m, st["entries"].shape[1] - 1)
-    old = st["entries"][rows, i]
-    out = dict(st, buf_kv=buf_kv, buf_gate=buf_gate,
-               entries=st["entries"].at[rows, i].set(jnp.where(done[:, None], entry, old)))
+        pool_kv, pool_gate = ext_kv, ext_gate
+    first = (p0 - r)[:, None] + jnp.arange(nw) * m
+    entries = c.pool(pool_kv, pool_gate, first)                      # [b, nw, c]
+    done = (jnp.arange(nw)[None, :] + 1) * m <= (r + s)[:, None]
+    cap = st["entries"].shape[1]
+    idx = jnp.where(done, first // m, cap)                           # cap: dropped
+    out = dict(st, entries=st["entries"].at[rows, idx].set(entries, mode="drop"))
+    k = (r + s) // m                                                 # windows completed
+    out["buf_kv"], out["buf_gate"] = ext_kv[rows[:, 0], k], ext_gate[rows[:, 0], k]
     if c.overlap:
-        out["prev_kv"] = jnp.where(done[:, None, None], buf_kv[..., :w], st["prev_kv"])
-        out["prev_gate"] = jnp.where(done[:, None, None], buf_gate[..., :w], st["prev_gate"])
+        last = jnp.maximum(k - 1, 0)
+        more = (k > 0)[:, None, None]
+        out["prev_kv"] = jnp.where(more, ext_kv[rows[:, 0], last, :, :w], st["prev_kv"])
+        out["prev_gate"] = jnp.where(more, ext_gate[rows[:, 0], last, :, :w], st["prev_gate"])
     return out
 
 
-def attention_step(attn: V4Attention, st: dict, x: jax.Array, p: jax.Array):
-    """One token per request: x [b, 1, d] at positions p [b] → (out [b, 1, d], state)."""
+def _window_parts(window: jax.Array, kv: jax.Array, p0: jax.Array, w: int):
+    """The sliding-window keys of queries p0 … p0+s−1: the ring's earlier tokens and the
+    chunk's own, each with its mask (key j visible to query t iff t−W < j ≤ t)."""
+    s = kv.shape[1]
+    t = p0[:, None] + jnp.arange(s)                                   # [b, s]
+    ring = (p0 - 1)[:, None] - ((p0 - 1)[:, None] - jnp.arange(w)) % w   # [b, W]
+    ring_ok = (ring[:, None, :] >= 0) & (ring[:, None, :] > t[..., None] - w)
+    j = jnp.arange(s)
+    band = (j[None, :] <= j[:, None]) & (j[None, :] > j[:, None] - w)
+    return [(window, ring_ok), (kv, jnp.broadcast_to(band, (kv.shape[0], s, s)))]
+
+
+def attention_chunk(attn: V4Attention, st: dict, x: jax.Array, p0: jax.Array):
+    """x [b, s, d] at positions p0 … p0+s−1 → (out [b, s, d], state)."""
     cfg = attn.cfg
-    b, w = x.shape[0], cfg.sliding_window
-    rows = jnp.arange(b)
-    q, kv, qr, (cos, sin) = attn.project(x, p[:, None])
-    window = st["window"].at[rows, p % w].set(kv[:, 0])
-    slot_pos = p[:, None] - (p[:, None] - jnp.arange(w)[None, :]) % w
-    parts = [(window, (slot_pos >= 0)[:, None, :])]
-    st = dict(st, window=window)
+    b, s, _ = x.shape
+    w, rows = cfg.sliding_window, jnp.arange(b)[:, None]
+    t = p0[:, None] + jnp.arange(s)
+    q, kv, qr, (cos, sin) = attn.project(x, t)
+    parts = _window_parts(st["window"], kv, p0, w)
+    keep = jnp.arange(max(s - w, 0), s)                               # distinct slots
+    st = dict(st, window=st["window"].at[rows, t[:, keep] % w].set(kv[:, keep]))
     if attn.compressor is not None:
-        comp = _comp_step(attn.compressor, st["comp"], x, p)
-        st["comp"] = comp
-        t = comp["entries"].shape[1]
-        visible = (jnp.arange(t)[None, :] < ((p + 1) // attn.compressor.rate)[:, None])[:, None]
+        st["comp"] = comp = _comp_chunk(attn.compressor, st["comp"], x, p0)
+        cap = comp["entries"].shape[1]
+        visible = jnp.arange(cap) < ((t + 1) // attn.compressor.rate)[..., None]
         if attn.indexer is None:
             parts.append((comp["entries"], visible))
         else:
-            index = _comp_step(attn.indexer.compressor, st["index"], x, p)
-            st["index"] = index
+            st["index"] = index = _comp_chunk(attn.indexer.compressor, st["index"], x, p0)
             iq, iw = attn.indexer.queries(x, qr, cos, sin)
-            scores = attn.indexer.scores(iq, iw, index["entries"])
-            ids, ok = topk_picks(scores, visible, min(cfg.index_topk, t))
-            picked = comp["entries"][rows[:, None, None], ids]          # [b, 1, k, D]
-            parts.append((picked, ok))
+            ids, ok = topk_picks(attn.indexer.scores(iq, iw, index["entries"]), visible,
+                                 min(cfg.index_topk, cap))
+            if s == 1:       # decode: gather the picked entries ([b, 1, k, D])
+                parts.append((comp["entries"][rows[..., None], ids], ok))
+            else:            # prefill: mask the entries ([b, s, T])
+                picked = jnp.zeros(visible.shape, bool).at[
+                    rows[..., None], jnp.arange(s)[None, :, None], ids].max(ok)
+                parts.append((comp["entries"], picked))
     return attn.output(attn.attend(q, parts), cos, sin), st
 
 
-def layer_step(layer: V4DecoderLayer, st: dict, streams, tokens, p):
+def layer_chunk(layer: V4DecoderLayer, st: dict, streams, tokens, p0):
     post, comb, x = layer.attn_input(streams)
-    a, st = attention_step(layer.attn, st, x, p)
+    a, st = attention_chunk(layer.attn, st, x, p0)
     streams = hc_merge(streams, a, post, comb)
     return layer.ffn_block(streams, tokens), st
 
 
-def decode_step(model: DeepseekV4, state: dict, tokens: jax.Array):
-    """tokens [b] at positions state["pos"] → (logits [b, V] f32, state)."""
-    p = state["pos"]
-    streams = model.streams(tokens[:, None])
-    layers = []
+def forward_chunk(model: DeepseekV4, state: dict, tokens: jax.Array):
+    """tokens [b, s] at positions pos … pos+s−1 of each request → (logits [b, s, V]
+    f32, state). The caller keeps pos + s within the state's max_len."""
+    p0 = state["pos"]
+    streams, layers = model.streams(tokens), []
     for layer, st in zip(model.layers, state["layers"]):
-        streams, st = layer_step(layer, st, streams, tokens[:, None], p)
+        streams, st = layer_chunk(layer, st, streams, tokens, p0)
         layers.append(st)
-    return model.logits(streams)[:, 0], {"pos": p + 1, "layers": layers}
+    return model.logits(streams), {"pos": p0 + tokens.shape[1], "layers": layers}
+
+
+def decode_step(model: DeepseekV4, state: dict, tokens: jax.Array):
+    """tokens [b], one per request at its own position → (logits [b, V] f32, state)."""
+    logits, state = forward_chunk(model, state, tokens[:, None])
+    return logits[:, 0], state
+
+
+def prefill(model: DeepseekV4, tokens: jax.Array, max_len: int, chunk: int | None = None):
+    """Prompts [b, L] of one length from position 0, in chunks of `chunk` tokens (None:
+    one) → (logits [b, L, V] f32, state with room for max_len tokens)."""
+    b, L = tokens.shape
+    if L > max_len:
+        raise ValueError(f"prompt of {L} tokens is longer than max_len={max_len}")
+    state, outs = init_state(model.cfg, b, max_len), []
+    step = chunk or L
+    for lo in range(0, L, step):
+        logits, state = forward_chunk(model, state, tokens[:, lo:lo + step])
+        outs.append(logits)
+    return jnp.concatenate(outs, axis=1), state
+
+
+def install(batch: dict, slot: int, one: dict) -> dict:
+    """`batch` with request `slot` replaced by the one-request state `one` (a request
+    prefilled alone joins a running batch)."""
+    return jax.tree.map(lambda big, row: big.at[slot].set(row[0]), batch, one)
