@@ -100,3 +100,20 @@ def test_engine_load_refuses_deepseek_v4(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(b"")
     with pytest.raises(CheckpointError, match="deepseek_v4.*not wired into the engine"):
         load_model(tmp_path)
+
+
+def test_state_bytes_at_v4_flash_shapes():
+    """Per request at transformers' default (V4-Flash-documented) shapes, bf16, 1M
+    tokens: CSA 256 B/token/layer of entries + 64 of indexer keys, HCA 8 B/token/layer,
+    W rows of 1 KiB per layer (docs/facts.md §7, "Cache")."""
+    from jlco.model.deepseek_v4.state import state_bytes
+    cfg = V4Config()
+    n = 1 << 20
+    b = state_bytes(cfg, n)
+    csa = cfg.layer_types.count(CSA)
+    hca = cfg.layer_types.count(HCA)
+    assert (csa, hca) == (20, 23)
+    assert b["csa_entries"] == csa * n * 256 and b["index_keys"] == csa * n * 64
+    assert b["hca_entries"] == hca * n * 8
+    assert b["window"] == 43 * 128 * 512 * 2
+    assert (b["csa_entries"] + b["index_keys"] + b["hca_entries"]) // n == 6584

@@ -175,3 +175,24 @@ def install(batch: dict, slot: int, one: dict) -> dict:
     """`batch` with request `slot` replaced by the one-request state `one` (a request
     prefilled alone joins a running batch)."""
     return jax.tree.map(lambda big, row: big.at[slot].set(row[0]), batch, one)
+
+
+def state_bytes(cfg: V4Config, max_len: int) -> dict[str, int]:
+    """Bytes of one request's state at room for max_len tokens, by part: `window` (every
+    layer), `csa_entries` / `hca_entries` (compressed entries, growing with the
+    context), `index_keys` (CSA's indexer keys, growing), `carry` (open-window buffers
+    and the overlap: fixed). From the state's own shapes, so it cannot drift."""
+    shapes = jax.eval_shape(lambda: init_state(cfg, 1, max_len))
+    out = dict.fromkeys(("window", "csa_entries", "hca_entries", "index_keys", "carry"), 0)
+    for kind, st in zip(cfg.layer_types, shapes["layers"]):
+        out["window"] += st["window"].size * st["window"].dtype.itemsize
+        for part, sub in (("comp", st.get("comp")), ("index", st.get("index"))):
+            for name, leaf in (sub or {}).items():
+                nbytes = leaf.size * leaf.dtype.itemsize
+                if name != "entries":
+                    out["carry"] += nbytes
+                elif part == "index":
+                    out["index_keys"] += nbytes
+                else:
+                    out["csa_entries" if kind == CSA else "hca_entries"] += nbytes
+    return out
