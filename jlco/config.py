@@ -463,7 +463,10 @@ class CacheConfig:
                        index_topk * (1 + num_draft_tokens); 0 means "that minimum".
                        (Was `staging_capacity`; that spelling is accepted for one release.)
     fetch_chunk_rows:  most rows per host->device fetch chunk (later chunks gather while
-                       earlier ones transfer); 0 = one chunk.
+                       earlier ones transfer); 0 = one chunk; "auto" = derived from the
+                       transfer path measured at start-up (`jlco.offload.schedule`:
+                       a chunk's transfer is 8x its fixed cost; `planning.probe.
+                       host_transfer`).
                        (Was `prefetch_window`; that spelling is accepted for one release.)
     prefetch_threads:  host threads issuing prefetch transfers.
     eviction:          hot-buffer victim policy.
@@ -486,6 +489,10 @@ class CacheConfig:
                        fetches only what the prediction missed. Exact (the real selection
                        decides); off until measured on an accelerator. Refused in-jit as
                        split_attention is.
+    prefetch_depth:    layers ahead the prefetch predicts (layer L's input predicts layer
+                       L + depth), 1..4, or "auto": each step, the fewest layers whose
+                       measured compute time covers the transfer of one layer's predicted
+                       rows at the measured link rate (`jlco.offload.schedule`).
     """
     offload: bool = False
     storage: str = "pinned_host"
@@ -493,7 +500,7 @@ class CacheConfig:
     kv_format: str = "bf16"
     page_size: int = 64
     hot_buffer_rows: int = 0
-    fetch_chunk_rows: int = 256
+    fetch_chunk_rows: int | str = "auto"
     prefetch_threads: int = 2
     eviction: str = "lru"
     fetch_path: str = "auto"
@@ -503,6 +510,7 @@ class CacheConfig:
     prefix_cache_tokens: int = 0
     split_attention: bool = False
     prefetch_ahead: bool = False
+    prefetch_depth: int | str = "auto"
 
     def __post_init__(self):
         p = "cache"
@@ -517,8 +525,14 @@ class CacheConfig:
         _positive(self, p, "page_size", "prefetch_threads")
         _check(isinstance(self.hot_buffer_rows, int) and self.hot_buffer_rows >= 0,
                f"{p}.hot_buffer_rows", self.hot_buffer_rows, "an integer >= 0 (0 = minimum)")
-        _check(isinstance(self.fetch_chunk_rows, int) and self.fetch_chunk_rows >= 0,
-               f"{p}.fetch_chunk_rows", self.fetch_chunk_rows, "an integer >= 0")
+        _check(self.fetch_chunk_rows == "auto" or (isinstance(self.fetch_chunk_rows, int)
+                                                    and self.fetch_chunk_rows >= 0),
+               f"{p}.fetch_chunk_rows", self.fetch_chunk_rows,
+               "'auto' or an integer >= 0 (0 = one chunk)")
+        # 4: jlco.offload.schedule.MAX_DEPTH (config imports no other jlco package)
+        _check(self.prefetch_depth == "auto" or (isinstance(self.prefetch_depth, int)
+                                                  and 1 <= self.prefetch_depth <= 4),
+               f"{p}.prefetch_depth", self.prefetch_depth, "'auto' or an integer in 1..4")
         _check(0.3 <= self.host_headroom <= 4.0, f"{p}.host_headroom", self.host_headroom,
                "0.3..4.0 (the design requires at least 30 % host headroom)")
         _check(isinstance(self.prefix_cache_tokens, int) and self.prefix_cache_tokens >= 0,
@@ -776,6 +790,11 @@ def load_config(path: str | pathlib.Path) -> Config:
         raise ConfigError(f"{path}{_config_line(err, path)}: {type(err).__name__}: "
                           f"{err}") from None
     cfg = getattr(mod, "CONFIG", None)
+    if cfg is None and getattr(mod, "DEPLOYMENT", None) is not None:
+        raise ConfigError(f"{path}: a DeepSeek-V4 deployment (DEPLOYMENT, no CONFIG): "
+                          "`python -m jlco.plan` plans it; serving deepseek_v4 from a config "
+                          "file is not implemented (a deepseek_v4 checkpoint is read by "
+                          "jlco.checkpoint.deepseek_v4)")
     if not isinstance(cfg, Config):
         raise ConfigError(f"{path}: must define CONFIG = jlco.config.Config(...)")
     if cfg.cache.storage == "file":

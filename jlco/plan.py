@@ -1,14 +1,16 @@
 """`python -m jlco.plan --config configs/128k.py --hardware h200 [--json]`: the memory
 plan (largest batch with and without offload, host memory, transfer check) of
-`jlco.planning.memory`, as a table or JSON.
+`jlco.planning.memory`, as a table or JSON. A config file that defines a DeepSeek-V4
+`DEPLOYMENT` (configs/deepseek_v4_flash.py, configs/deepseek_v4_pro.py) gets
+`jlco.planning.v4`'s plan: cache bytes per request per layer type, largest batches.
 
 `--mesh data=D,expert=E,tensor=T` plans one device of that mesh (`jlco.planning.mesh`:
 the axes multiply, attention is data-parallel over data × expert, routed experts split
 over expert, head / FFN / vocabulary matmuls over tensor); memory is per device, the host
 pool per host of `--devices_per_host` devices. Default mesh: the config's `mesh` section
-if it declares more than one device, else data=1,expert=--ep,tensor=1 (--ep keeps its meaning and default 32;
-an explicit --ep beats the config's mesh). --ep together with --mesh is refused (exit 2):
-the expert degree has one home.
+if it declares more than one device, else data=1,expert=--ep,tensor=1 (--ep keeps its
+meaning and default 32; an explicit --ep beats the config's mesh). --ep together with
+--mesh is refused (exit 2): the expert degree has one home.
 
 Bad flags are one line on stderr and a non-zero exit, no traceback: numeric ranges
 through absl's bounds (exit 1, at parse time), an unknown --hardware or a bad --config
@@ -25,6 +27,7 @@ from jlco.config import ConfigError, load_config
 from jlco.planning.hardware import HARDWARE, get_hardware
 from jlco.planning.memory import format_table, plan
 from jlco.planning.mesh import MeshShape, config_mesh, parse_mesh
+from jlco.planning import v4
 from jlco.planning.params import WEIGHT_FORMATS
 from jlco.util import cli
 
@@ -36,14 +39,41 @@ def main(argv) -> None:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     f = flags.FLAGS
     with cli.errors_exit(PROG, ConfigError, ValueError, OSError):
+        dep = v4.load_deployment(f.config)
+        if dep is not None:
+            print(_plan_v4(dep, f))
+            return
+        fmt = f.weight_format or "fp8"
+        if fmt not in WEIGHT_FORMATS:
+            raise ValueError(f"--weight_format={fmt}: allowed one of "
+                             + ", ".join(WEIGHT_FORMATS))
         cfg = load_config(f.config)
         hw = _hardware(f.hardware)
         mesh = choose_mesh(f.mesh, f.ep, f["ep"].present, cfg)
         p = plan(cfg, hw, mesh=mesh, devices_per_host=f.devices_per_host, context=f.context,
-                 miss_rate=f.miss_rate, accept=f.accept, weight_format=f.weight_format,
+                 miss_rate=f.miss_rate, accept=f.accept, weight_format=fmt,
                  reserve_bytes=None if f.reserve_gb is None else f.reserve_gb * 1e9)
         text = json.dumps(p.as_dict(), indent=1, allow_nan=False) if f.json else format_table(p)
     print(text)
+
+
+def _plan_v4(dep, f) -> str:
+    """A deepseek_v4 deployment (`DEPLOYMENT` in the config file): `jlco.planning.v4`."""
+    fmt = f.weight_format or "official"
+    if fmt not in v4.V4_WEIGHT_FORMATS:
+        raise ValueError(f"--weight_format={fmt} for deepseek_v4: allowed one of "
+                         + ", ".join(v4.V4_WEIGHT_FORMATS))
+    for name in ("miss_rate", "accept"):
+        if f[name].present:
+            raise ValueError(f"--{name} with a deepseek_v4 deployment: not modelled (the "
+                             "V4 plan has no transfer check yet)")
+    mesh = parse_mesh(f.mesh) if f.mesh else MeshShape(1, f.ep, 1)
+    if f.mesh and f["ep"].present:
+        raise ValueError(f"--ep={f.ep} with --mesh={f.mesh!r}: give the expert degree once")
+    p = v4.plan(dep, _hardware(f.hardware), mesh=mesh, context=f.context,
+                weight_format=fmt, devices_per_host=f.devices_per_host,
+                reserve_bytes=None if f.reserve_gb is None else f.reserve_gb * 1e9)
+    return json.dumps(p.as_dict(), indent=1, allow_nan=False) if f.json else v4.format_table(p)
 
 
 def choose_mesh(text: str | None, ep: int, ep_given: bool, cfg) -> MeshShape:
@@ -81,7 +111,9 @@ def define_flags() -> None:
                        "ESS locality profile)", lower_bound=0.0, upper_bound=1.0)
     flags.DEFINE_float("accept", None, "mean accepted tokens per step (default 1 + 0.35 x "
                        "drafts)", lower_bound=1.0)
-    flags.DEFINE_enum("weight_format", "fp8", list(WEIGHT_FORMATS), "weight storage")
+    flags.DEFINE_string("weight_format", None, "weight storage: " + ", ".join(WEIGHT_FORMATS)
+                        + " (default fp8); deepseek_v4: " + ", ".join(v4.V4_WEIGHT_FORMATS)
+                        + " (default official: FP4 experts, FP8 matrices)")
     flags.DEFINE_float("reserve_gb", None, "runtime reserve (default: hardware profile)",
                        lower_bound=0.0)
     flags.DEFINE_bool("json", False, "print JSON instead of the table")

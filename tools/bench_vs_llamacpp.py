@@ -88,7 +88,12 @@ def define_flags() -> None:
     flags.DEFINE_list("batches", ["1", "4"], "requests decoded together")
     flags.DEFINE_integer("new_tokens", 16, "greedy tokens per request", lower_bound=2)
     flags.DEFINE_integer("rounds", 1, "timed rounds per setting (median)", lower_bound=1)
-    flags.DEFINE_integer("prefill_chunk", 512, "jlco engine.prefill_chunk", lower_bound=1)
+    flags.DEFINE_integer("prefill_chunk", 512, "jlco engine.prefill_chunk (--jlco_as=engine)",
+                         lower_bound=1)
+    flags.DEFINE_enum("jlco_as", "engine", list(JLCO_AS), "engine: jlco's Engine in-process "
+                      "with this tool's settings (--prefill_chunk); cli: `python -m "
+                      "jlco.generate --checkpoint DIR --prompts_file F --json` with no "
+                      "--config, one process per round, its own timing figures")
     flags.DEFINE_integer("n_batch", 512, "llama.cpp n_batch / n_ubatch", lower_bound=1)
     flags.DEFINE_enum("kv_type", "f32", ["f32", "f16"], "llama.cpp KV-cache type")
     flags.DEFINE_string("llama_cpp_src", os.environ.get("LLAMA_CPP_SRC", ""),
@@ -272,6 +277,41 @@ class Jlco:
                     tokens=[list(r.tokens) for r in reqs])
 
 
+class JlcoCli:
+    """jlco as a user runs it: `python -m jlco.generate --checkpoint DIR --prompts_file F
+    --json` with no --config (the engine sized from the checkpoint and the prompts), one
+    process per round; its own `timing` is the figure (`decode_tokens_per_s`, the step
+    p50, `prefill_s`, and what of them was compiling). The warm-up round fills the
+    persistent compilation cache, as a user's first run does."""
+
+    def __init__(self, ckpt: str, batch: int, context: int):
+        self.ckpt, self.runs = ckpt, 0
+
+    def close(self) -> None:
+        pass
+
+    def run(self, prompts: list[list[int]]) -> dict:
+        self.runs += 1
+        with tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False) as f:
+            f.write("".join(json.dumps(p) + "\n" for p in prompts))
+        cmd = [sys.executable, "-m", "jlco.generate", "--checkpoint", self.ckpt,
+               "--prompts_file", f.name, "--max_new_tokens", str(FLAGS.new_tokens),
+               "--dtype", "float32", "--json", *[a for o in FLAGS.override
+                                                 for a in ("--override", o)]]
+        t = time.perf_counter()
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+        wall = time.perf_counter() - t
+        os.unlink(f.name)
+        if proc.returncode != 0:
+            raise RuntimeError(f"jlco.generate failed (exit {proc.returncode}): "
+                               f"{proc.stderr.strip().splitlines()[-1:]}")
+        out = json.loads(proc.stdout)
+        tm = out["timing"]
+        return dict(prefill_s=tm["prefill_s"], step_s=[tm["step_ms_p50"] / 1e3],
+                    decode_tok_s=tm["decode_tokens_per_s"], tokens=out["tokens"],
+                    cli_timing=tm, cli_wall_s=wall)
+
+
 def measure(engine, rounds_prompts) -> dict:
     """A warm-up round on the first prompts, then one timed round on each of the others
     (new prompts every round: a repeated prompt would be a prefix-cache hit, not a
@@ -282,11 +322,17 @@ def measure(engine, rounds_prompts) -> dict:
     step = float(np.median([np.median(r["step_s"]) for r in rounds]))
     prompts = rounds_prompts[-1]
     n = sum(len(p) for p in prompts)
-    return dict(prefill_s=prefill, prefill_tok_s=n / prefill, step_ms=1e3 * step,
-                decode_tok_s=len(prompts) / step, tokens=rounds[-1]["tokens"])
+    out = dict(prefill_s=prefill, prefill_tok_s=n / prefill, step_ms=1e3 * step,
+               decode_tok_s=len(prompts) / step, tokens=rounds[-1]["tokens"])
+    if "cli_timing" in rounds[-1]:   # the CLI's own decode figure, not one from its p50
+        out["decode_tok_s"] = float(np.median([r["decode_tok_s"] for r in rounds]))
+        out.update(cli_timing=[r["cli_timing"] for r in rounds],
+                   cli_wall_s=[r["cli_wall_s"] for r in rounds])
+    return out
 
 
 ENGINES = {"jlco": Jlco, "llamacpp": LlamaCpp}
+JLCO_AS = {"engine": Jlco, "cli": JlcoCli}   # --jlco_as: how the "jlco" side runs
 MODEL_FILES = {"jlco": "hf", "llamacpp": "model.gguf"}   # what each reads, in the run's dir
 
 
@@ -302,7 +348,8 @@ def measure_child(spec: str) -> None:
         cli.fail(PROG, f"--child={spec}: allowed ENGINE:CONTEXT:BATCH:DIR with ENGINE one "
                        f"of {', '.join(ENGINES)} (set by this tool itself)")
     prompts = json.loads(pathlib.Path(d, "prompts.json").read_text())
-    engine = ENGINES[name](os.path.join(d, MODEL_FILES[name]), batch, context)
+    make = JLCO_AS[FLAGS.jlco_as] if name == "jlco" else ENGINES[name]
+    engine = make(os.path.join(d, MODEL_FILES[name]), batch, context)
     try:
         out = measure(engine, prompts)
     finally:
@@ -356,7 +403,8 @@ def table(out: dict) -> str:
         head = "roofline machines: " + "; ".join(
             f"{', '.join(str(c) for c in ctxs)}: {_machine_line(m)}"
             for ctxs, m in _runs(out))
-    lines = [f"{head}; llama.cpp KV {out['kv_type']}",
+    lines = [f"{head}; llama.cpp KV {out['kv_type']}; jlco as "
+             f"{out.get('jlco_as', 'engine')}",
              f"{'ctx':>6}{'b':>3} {'engine':9}{'prefill s':>10}{'tok/s':>8}{'x roof':>8}"
              f"{'step ms':>9}{'tok/s':>8}{'x roof':>8}  tokens"]
     for r in out["results"]:
@@ -440,7 +488,7 @@ def main(argv) -> None:
                 print(f"context {context}, batch {batch} ...", file=sys.stderr)
                 results.append(setting(d, jlco_cfg, machine, context, batch))
     out = dict(config=FLAGS.config, overrides=FLAGS.override, new_tokens=FLAGS.new_tokens,
-               rounds=FLAGS.rounds, kv_type=FLAGS.kv_type, results=results,
+               rounds=FLAGS.rounds, kv_type=FLAGS.kv_type, jlco_as=FLAGS.jlco_as, results=results,
                machine=dict(m, platform=platform.platform(), cpus=os.cpu_count(),
                             cpu=_cpu_model()))
     _write(out)
