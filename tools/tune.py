@@ -1,7 +1,10 @@
 """Tune the offload knobs on a short real-engine workload and write the winning config.
 
 Every candidate (fetch_chunk_rows x prefetch_threads x hot_buffer_rows x eviction x
-fetch_path x storage) builds a real `jlco.engine.core.Engine` on the same model, compiles it
+fetch_path x storage x split_attention x prefetch_ahead x prefetch_depth; "auto" values
+of the chunk and depth are derived at start-up, `jlco.engine.fetch_schedule`, and each
+trial reports what they resolved to) builds a real `jlco.engine.core.Engine` on the same
+model, compiles it
 with a short warm-up run of the workload (not timed), then decodes the workload
 `--repeats` times and reports the median pass by throughput:
 
@@ -50,7 +53,8 @@ def define_flags() -> None:
     flags.DEFINE_string("config", None, "python config file (configs/*.py)")
     flags.DEFINE_string("checkpoint", "", "HF or jlco Orbax checkpoint (default: random weights)")
     flags.DEFINE_string("output", "", "write the winning config here (python, CONFIG = Config(...))")
-    flags.DEFINE_list("fetch_chunk_rows", ["64", "256"], "cache.fetch_chunk_rows values")
+    flags.DEFINE_list("fetch_chunk_rows", ["auto", "256"], "cache.fetch_chunk_rows values "
+                      "(rows, or 'auto': derived from the measured transfer path)")
     flags.DEFINE_list("prefetch_threads", [], "cache.prefetch_threads values (default: the config's)")
     flags.DEFINE_list("hot_buffer_rows", ["1x", "2x"], "cache.hot_buffer_rows values: rows, or "
                       "'Nx' = N x Config.min_hot_buffer_rows")
@@ -61,6 +65,12 @@ def define_flags() -> None:
     flags.DEFINE_list("fetch_path", ["in_jit", "host_driven"], "cache.fetch_path values")
     flags.DEFINE_list("storage", [], "cache.storage values (default: the config's; 'file' needs "
                       "cache.storage_path in the config)")
+    flags.DEFINE_list("split_attention", [], "cache.split_attention values (true/false; "
+                      "default: the config's; host-driven candidates only)")
+    flags.DEFINE_list("prefetch_ahead", [], "cache.prefetch_ahead values (true/false; "
+                      "default: the config's; host-driven candidates only)")
+    flags.DEFINE_list("prefetch_depth", [], "cache.prefetch_depth values (1..4 or 'auto'; "
+                      "default: the config's)")
     flags.DEFINE_integer("max_trials", 8, "most candidates compiled and timed (the config's own "
                          "knobs first; unsupported ones cost nothing and are not counted)",
                          lower_bound=1)
@@ -82,7 +92,10 @@ def define_flags() -> None:
 
 
 KNOBS = ("fetch_chunk_rows", "prefetch_threads", "hot_buffer_rows", "eviction", "fetch_path",
-         "storage")
+         "storage", "split_attention", "prefetch_ahead", "prefetch_depth")
+# Knobs a grid may leave out (then the base config's value): the host-driven scheduling.
+OPTIONAL = ("split_attention", "prefetch_ahead", "prefetch_depth")
+HOST_DRIVEN_ONLY = ("split_attention", "prefetch_ahead")
 
 
 class TokenMismatch(RuntimeError):
@@ -118,18 +131,28 @@ def parse_capacity(value: str, cfg: Config) -> int:
 
 def candidates(base: Config, grid: dict, seed: int = 0) -> list[Config]:
     """Configs for the grid's product, offload on: the base config's own knobs first
-    (when in the grid), the rest in a seeded shuffle. Invalid values raise ConfigError
-    here, before anything compiles."""
-    missing = set(KNOBS) - set(grid)
+    (when in the grid), the rest in a seeded shuffle. Knobs in OPTIONAL may be left out
+    (the base config's value); combinations that turn a HOST_DRIVEN_ONLY knob on with
+    the in-jit path are left out (the config refuses them). Invalid values raise
+    ConfigError here, before anything compiles."""
+    missing = set(KNOBS) - set(grid) - set(OPTIONAL)
     if missing:
         raise ValueError(f"grid is missing knobs {sorted(missing)}: allowed keys {KNOBS}")
     base = base.replace(cache__offload=True)
-    combos = list(itertools.product(*(grid[k] for k in KNOBS)))
+    grid = {k: grid.get(k, [getattr(base.cache, k)]) for k in KNOBS}
+    combos = [c for c in itertools.product(*(grid[k] for k in KNOBS))
+              if _host_driven(dict(zip(KNOBS, c))) or not any(
+                  dict(zip(KNOBS, c))[k] for k in HOST_DRIVEN_ONLY)]
     own = tuple(getattr(base.cache, k) for k in KNOBS)
     rest = [c for c in combos if c != own]
     np.random.default_rng(seed).shuffle(rest)
     ordered = ([own] if own in combos else []) + rest
     return [base.replace(**{f"cache__{k}": v for k, v in zip(KNOBS, c)}) for c in ordered]
+
+
+def _host_driven(k: dict) -> bool:
+    return k["fetch_path"] == "host_driven" or (k["fetch_path"] == "auto"
+                                                and k["storage"] == "file")
 
 
 def _decode_pass(eng: Engine, work: Workload) -> dict:
@@ -181,7 +204,19 @@ def measure(cfg: Config, model, work: Workload, impl: str, repeats: int = 3) -> 
                hit_rate=None)
     if eng.metrics is not None:
         out["hit_rate"] = eng.metrics.snapshot()["total"]["hit_rate"]
+        out["health"] = eng.metrics.health()["total"]
+        out["derived"] = derived(eng)
     return out
+
+
+def derived(eng: Engine) -> dict:
+    """What "auto" resolved to in this engine: the fetch chunk's rows (host-driven: the
+    fetcher's; in-jit: the latent's) and the prefetch depth after the last step."""
+    host = eng.runner.host
+    if host is None:
+        return dict(fetch_chunk_rows=eng.runner.cache.latent.chunk_rows, prefetch_depth=None)
+    return dict(fetch_chunk_rows=host.fetcher.window,
+                prefetch_depth=None if host.depth is None else host.depth.depth)
 
 
 def knobs(cfg: Config) -> dict:
@@ -289,8 +324,8 @@ def write_config(cfg: Config, path: str | pathlib.Path, doc: str = "") -> None:
 
 
 def _table(report: dict) -> str:
-    cols = ("window", "threads", "staging", "evict", "fetch", "storage", "tok/s", "tpot ms",
-            "p90 ms", "hit rate", "tokens", "status")
+    cols = ("window", "threads", "staging", "evict", "fetch", "storage", "split", "ahead",
+            "depth", "tok/s", "tpot ms", "p90 ms", "hit rate", "tokens", "status")
     lines = [" ".join(f"{c:>9}" for c in cols)]
     ref = report["reference"]
     rows = ([("offload off (reference)", ref)] if ref else []) + [
@@ -302,7 +337,7 @@ def _table(report: dict) -> str:
         hr = "-" if t["hit_rate"] is None else f"{t['hit_rate']:.3f}"
         same = "ref" if t.get("tokens_match") is None else ("same" if t["tokens_match"]
                                                             else "DIFFER")
-        lines.append(f"{label:>59} {t['throughput_tok_s']:9.1f} {t['tpot_ms_mean']:9.2f} "
+        lines.append(f"{label:>89} {t['throughput_tok_s']:9.1f} {t['tpot_ms_mean']:9.2f} "
                      f"{t['tpot_ms_p90']:9.2f} {hr:>9} {same:>9} {'ok':>9}")
     w = report.get("winner")
     lines.append("winner: " + (json.dumps(w["knobs"]) if w else "none") +
@@ -333,9 +368,28 @@ def _ints(name: str, values) -> list[int]:
                          "comma-separated list of integers") from None
 
 
+def _auto_or_ints(name: str, values) -> list:
+    return [v if v == "auto" else _ints(name, [v])[0] for v in values]
+
+
+def _bools(name: str, values, default: bool) -> list[bool]:
+    table = {"true": True, "false": False, "1": True, "0": False}
+    bad = [v for v in values if str(v).lower() not in table]
+    if bad:
+        raise ValueError(f"--{name}={','.join(map(str, values))} is invalid: allowed a "
+                         "comma-separated list of true/false")
+    return [table[str(v).lower()] for v in values] or [default]
+
+
 def _grid(cfg: Config) -> dict:
     threads = FLAGS.prefetch_threads or [cfg.cache.prefetch_threads]
-    return dict(fetch_chunk_rows=_ints("fetch_chunk_rows", FLAGS.fetch_chunk_rows),
+    c = cfg.cache
+    return dict(fetch_chunk_rows=_auto_or_ints("fetch_chunk_rows", FLAGS.fetch_chunk_rows),
+                split_attention=_bools("split_attention", FLAGS.split_attention,
+                                       c.split_attention),
+                prefetch_ahead=_bools("prefetch_ahead", FLAGS.prefetch_ahead, c.prefetch_ahead),
+                prefetch_depth=_auto_or_ints("prefetch_depth", FLAGS.prefetch_depth)
+                or [c.prefetch_depth],
                 prefetch_threads=_ints("prefetch_threads", threads),
                 hot_buffer_rows=sorted({parse_capacity(v, cfg) for v in FLAGS.hot_buffer_rows}),
                 eviction=list(FLAGS.eviction), fetch_path=list(FLAGS.fetch_path),

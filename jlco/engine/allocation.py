@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jlco.config import Config
+from jlco.engine import fetch_schedule
 from jlco.sampling.penalize import SeenTokens
 from jlco.model import kv_cache
 from jlco.model.kv_cache import DecodeCache, cache_layers, init_cache
@@ -25,8 +26,9 @@ from jlco.parallel import mesh as parallel_mesh
 
 def _chunk_rows(cfg: Config) -> int:
     """In-jit fetch moves misses in chunks of this many rows (0 = one padded gather of
-    every possible miss); cache.fetch_chunk_rows bounds it."""
-    return max(0, min(cfg.cache.fetch_chunk_rows, cfg.hot_buffer_rows))
+    every possible miss); cache.fetch_chunk_rows ("auto": `fetch_schedule.chunk_rows`)
+    bounds it."""
+    return max(0, min(fetch_schedule.chunk_rows(cfg), cfg.hot_buffer_rows))
 
 
 def host_pages(cfg: Config) -> PageAllocator | RankedPages | None:

@@ -31,13 +31,16 @@ into the hot buffer by `pre` rather than fetched, (2) the rows selected in the p
 step, kept resident by the hot buffer, (3) at admission the warm-up set (top-k of the
 last prefill queries), fetched in one batch per layer, (4) an IndexShare group's rows,
 planned and fetched once at its full layer, and (5) with `cache.prefetch_ahead` the
-next full layer's predicted rows: after layer L's selection, `_predict` runs layer
-L+1's indexer on L's input and plans the predicted misses (`plan_prefetch`: victim
-slots flagged as prefetched); their rows are gathered and sent while L's attention and
-post run, and L+1's real selection fetches only what the prediction missed (exact: the
-real top-k decides). The rest is fetched on demand: `prefetch_threads` parallelise the
-numpy gather of a large miss list and overlap it with the transfer of earlier chunks;
-`fetch_chunk_rows` bounds the rows per transfer chunk (0 = one chunk).
+predicted rows of the full layer d = `cache.prefetch_depth` ahead: after layer L's
+selection, `_predict` runs layer L+d's indexer on L's input and plans the predicted
+misses (`plan_prefetch`: victim slots flagged as prefetched); their rows are gathered
+and sent while L's attention and post run, and L+d's real selection fetches only what
+the prediction missed (exact: the real top-k decides). Depth "auto" is re-derived
+after each step from its time and the rows predicted (`jlco.offload.schedule`).
+The rest is fetched on demand: `prefetch_threads` parallelise the numpy gather of a
+large miss list and overlap it with the transfer of earlier chunks; `fetch_chunk_rows`
+bounds the rows per transfer chunk (0 = one chunk; "auto" derived from the measured
+transfer path, `jlco.engine.fetch_schedule`).
 
 Split attention (`cache.split_attention`): each micro-batch's attention over the rows
 already resident is dispatched before its misses are fetched, the fetched rows are
@@ -58,7 +61,7 @@ import numpy as np
 from flax import nnx
 
 from jlco.config import Config
-from jlco.engine import speculative
+from jlco.engine import fetch_schedule, speculative
 from jlco.engine import steps as engine_steps
 from jlco.engine.inputs import StepInputs
 from jlco.model import attention, kv_cache
@@ -285,17 +288,18 @@ def _close(pool: HostLatentPool, fetcher: HostFetcher) -> None:
     pool.close()
 
 
-def _next_full(cfg: Config, i: int, n_layers: int) -> bool:
-    """Whether layer i + 1 is predicted while main layer i computes: a main layer that
-    runs its own indexer (a shared layer's rows come with its full layer's)."""
-    return i + 1 < n_layers and not cfg.model.shares_topk(i + 1)
+def _ahead_of(cfg: Config, i: int, n_layers: int, depth: int) -> int | None:
+    """The layer predicted while main layer i computes: i + depth, when it is a main
+    layer that runs its own indexer (a shared layer's rows come with its full layer's)."""
+    t = i + depth
+    return t if t < n_layers and not cfg.model.shares_topk(t) else None
 
 
 def _prefetch(fetcher: HostFetcher, metrics, cache: DecodeCache, layer: int, miss_ids, dest):
     """The predicted misses of `layer` (and of the shared layers of its group) into the
     victim slots `plan_prefetch` gave them; counted in `metrics` (None: not recorded) as
     rows moved host→device (h2d_rows / h2d_moved_rows), not as a fetch wait (no
-    attention waits on them)."""
+    attention waits on them). → (cache, rows sent)."""
     members = group_layers(cache.latent, layer)
     ids, dest = jax.device_get((miss_ids, dest))
     keep = dest >= 0
@@ -303,7 +307,8 @@ def _prefetch(fetcher: HostFetcher, metrics, cache: DecodeCache, layer: int, mis
     if metrics is not None:
         for m in members:
             metrics.update(m, h2d_rows=int(keep.sum()), h2d_moved_rows=moved)
-    return dataclasses.replace(cache, latent=dataclasses.replace(cache.latent, rows=rows))
+    return (dataclasses.replace(cache, latent=dataclasses.replace(cache.latent, rows=rows)),
+            int(keep.sum()))
 
 
 class HostDriven:
@@ -331,7 +336,7 @@ class HostDriven:
         self.pool = HostLatentPool(cache_layers(cfg), num_pages, self.page_size, cfg.row_bytes,
                                    storage=cfg.cache.storage,
                                    storage_path=cfg.cache.storage_path, process_memory=mesh)
-        self.fetcher = HostFetcher(self.pool, cfg.cache.fetch_chunk_rows,
+        self.fetcher = HostFetcher(self.pool, fetch_schedule.chunk_rows(cfg),
                                    cfg.cache.prefetch_threads,
                                    parallel_mesh.replicated() if mesh else None)
         # Data ranks hand out rank-local page ids (`offload.pages.RankedPages`); the one
@@ -343,6 +348,8 @@ class HostDriven:
         self._ids = [jnp.int32(i) for i in range(cache_layers(cfg))]
         self._b0 = {b0: jnp.int32(b0) for b0, _ in self.micro}
         self._install = jax.jit(engine_steps.install, donate_argnums=0)
+        self.depth = (fetch_schedule.prefetch_depth(cfg, len(self.layers))
+                      if cfg.cache.prefetch_ahead else None)
 
     def close(self) -> None:
         """Wait for pending writes, stop the gather threads, drop the pool (a "file"
@@ -438,11 +445,14 @@ class HostDriven:
         """Every main layer over the step's inputs → (cache, last layer's output)."""
         # The last full layer's (top-k, slot ids) per micro-batch.
         topk = [(None, None)] * len(self.micro)
-        ahead = {} if self.cfg.cache.prefetch_ahead else None
+        ahead = None if self.depth is None else {"sent": [], "depth": self.depth.depth}
+        t0 = time.perf_counter()
         for i, (gd, st) in enumerate(self.layers):
             with jax.named_scope(f"layer_{i}"):
                 cache, x = self._layer(i, gd, st, cache, x, cos, sin, positions, lengths,
                                        record, topk, ahead)
+        if ahead is not None and ahead["sent"]:   # `cache.prefetch_depth="auto"`
+            self.depth.observe(time.perf_counter() - t0, float(np.mean(ahead["sent"])))
         return cache, x
 
     def _layer(self, i, gd, st, cache, x, cos, sin, positions, lengths, record: bool, topk,
@@ -453,7 +463,8 @@ class HostDriven:
         tables the full layer's plan and fetch cover the shared layers after it
         (`group_layers`), so a shared layer only attends. `ahead` (main layers with
         `cache.prefetch_ahead`): layer → its predicted top-k; this layer's prediction is
-        read (its accuracy counted) and the next full layer's made (`_predict_next`)."""
+        read (its accuracy counted) and the one of the full layer `depth` ahead made
+        (`_predict_next`); "sent" collects the rows each prediction sent."""
         layer, shared = self._ids[i], self.cfg.model.shares_topk(i)
         full, cache = cache, kv_cache.layer_view(cache, i)
         cache, q, indexer_in, new_ids, new_rows = _pre(gd, st, cache, layer, x, cos, sin,
@@ -471,23 +482,26 @@ class HostDriven:
                 nb=nb, impl=self.impl)
             topk[j] = (used, slot_ids)
             selected.append((b0, nb, slot_ids, miss_ids, dest))
-        plan = None
-        if ahead is not None and _next_full(self.cfg, i, len(self.layers)):
-            cache, plan = self._predict_next(i, full, cache, x, cos, sin, positions, lengths)
-            ahead[i + 1] = plan[-1]
+        plan = target = None
+        if ahead is not None:
+            target = _ahead_of(self.cfg, i, len(self.layers), ahead["depth"])
+        if target is not None:
+            cache, plan = self._predict_next(i, target, full, cache, x, cos, sin, positions,
+                                             lengths)
+            ahead[target] = plan[-1]
         cache, outs = self._attend_all(gd, st, cache, layer, q, selected, members, record)
         x = _post(gd, st, x, tuple(outs))
-        if plan is not None:   # the next layer's predicted misses move while post runs
-            cache = _prefetch(self.fetcher, self.metrics if record else None, cache, i + 1,
-                              *plan[:2])
+        if plan is not None:   # the predicted misses move while post runs
+            cache, sent = _prefetch(self.fetcher, self.metrics if record else None, cache,
+                                    target, *plan[:2])
+            ahead["sent"].append(sent)
         return kv_cache.with_layer(full, i, cache), x
 
     # ---- layer-ahead prefetch (`cache.prefetch_ahead`) ---------------------------
-    def _predict_next(self, i, full, cache, x, cos, sin, positions, lengths):
-        """Dispatch layer i + 1's prediction from layer i's input x (`_predict`) →
-        (cache with its plan in the slot tables, (missed host ids, destinations,
-        predicted top-k))."""
-        nxt = i + 1
+    def _predict_next(self, i, nxt, full, cache, x, cos, sin, positions, lengths):
+        """Dispatch layer nxt's prediction from layer i's input x (`_predict`) → (cache
+        with its plan in the slot tables, (missed host ids, destinations, predicted
+        top-k))."""
         view = kv_cache.layer_view(kv_cache.with_layer(full, i, cache), nxt)
         gd, st = self.layers[nxt]
         tables, miss_ids, dest, guess = _predict(gd, st, view, self._ids[nxt], x, cos, sin,

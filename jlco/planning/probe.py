@@ -9,6 +9,7 @@ owns, or that others may write, is measured again, not trusted)."""
 
 from __future__ import annotations
 
+import functools
 import glob
 import hashlib
 import json
@@ -130,3 +131,47 @@ def cpu_limits() -> dict:
     except OSError:
         pass       # an unwritable cache: measured again next time
     return dict(got, path=str(path))
+
+
+TRANSFER_BYTES = 32 << 20   # the large probe transfer: long enough to time the link rate
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _scatter_rows(rows, dest, data):
+    return rows.at[dest].set(data, mode="drop")
+
+
+@functools.lru_cache(maxsize=None)
+def host_transfer(row_bytes: int, repeats: int = 8) -> dict:
+    """One fetch chunk of the host-driven path, timed as it runs there: `jax.device_put`
+    of a numpy [n, row_bytes] uint8 buffer and its row ids to the first device, then a
+    donated jitted scatter of the rows into a device buffer. The fastest of `repeats`
+    chunks of 64 rows and of TRANSFER_BYTES, fitted as t = overhead + bytes / link →
+    {"link_gbps", "overhead_us", "device"}, once per process. What
+    `cache.fetch_chunk_rows="auto"` and `cache.prefetch_depth="auto"` derive from
+    (`jlco.offload.schedule`); on XLA:CPU the "link" is a host memory copy."""
+    if not isinstance(row_bytes, int) or row_bytes <= 0:
+        raise ValueError(f"row_bytes={row_bytes!r} is invalid: allowed a positive integer")
+    device = jax.devices()[0]
+    small, big = 64, max(128, TRANSFER_BYTES // row_bytes)
+    with jax.ensure_compile_time_eval():
+        rows = jax.device_put(np.zeros((big, row_bytes), np.uint8), device)
+
+    def best_s(n: int) -> float:
+        nonlocal rows
+        buf, dest = np.ones((n, row_bytes), np.uint8), np.arange(n, dtype=np.int32)
+        times = []
+        for i in range(repeats + 1):           # the first call compiles: not timed
+            t = time.perf_counter()
+            rows = _scatter_rows(rows, *jax.device_put((dest, buf), device))
+            jax.block_until_ready(rows)
+            if i:
+                times.append(time.perf_counter() - t)
+        return min(times)
+
+    with jax.ensure_compile_time_eval():   # also when first asked while tracing
+        t_small, t_big = best_s(small), best_s(big)
+    link = (big - small) * row_bytes / max(t_big - t_small, 1e-9)
+    overhead = max(t_small - small * row_bytes / link, 1e-7)
+    return dict(link_gbps=link / 1e9, overhead_us=overhead * 1e6,
+                device=str(getattr(device, "device_kind", device.platform)))

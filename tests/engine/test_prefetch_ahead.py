@@ -131,6 +131,18 @@ def test_prefetch_ahead_is_exact_and_its_counters_add_up():
 
 
 @pytest.mark.slow
+def test_depth_two_predicts_from_two_layers_back():
+    """cache.prefetch_depth=2: layer 0's input predicts layer 2 (layer 1 has no layer two
+    before it); tokens and log-probs equal prefetch off, the counters add up."""
+    model, prompts = make_model(), make_prompts()
+    off = _stepwise(HOST, model, prompts, (9, 4, 7, 6))
+    on = _stepwise(HOST.replace(cache__prefetch_ahead=True, cache__prefetch_depth=2), model,
+                   prompts, (9, 4, 7, 6))
+    assert on[0] == off[0] and on[1] == off[1]
+    _check_counts(on[2], on[3], predicted_layers={2})
+
+
+@pytest.mark.slow
 def test_index_share_groups_are_predicted_at_their_full_layer():
     """GLM-5 IndexShare (full, shared, full, shared): only layer 2 (a full layer after
     layer 1) is predicted; a shared layer looks nothing up itself: its counts are its
