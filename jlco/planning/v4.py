@@ -22,16 +22,19 @@ routed experts FP4 (e2m1, one e8m0 scale per 32 values), the other projections F
 (e4m3, one scale per 128 × 128 block), the compressors, indexer, hyper-connections,
 embedding, head and norms bf16; `fp8` and `bf16` put every matrix in one format.
 
-Cache values are stored in the model's dtype (bf16: transformers has no fp8 KV format for
-V4, docs/facts.md §7); `cache_bytes` sets another width.
+Cache values are stored in the model's dtype, as the engine's state holds them (bf16:
+transformers has no fp8 KV format for V4, docs/facts.md §7); the compressors' gates f32.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 from jlco.model.deepseek_v4.config import CSA, HCA, SLIDING, V4Config
 from jlco.planning.hardware import HardwareProfile
+from jlco.model.layers import dtype_of
 from jlco.planning.mesh import MeshShape, host_layout
 
 V4_WEIGHT_FORMATS = ("official", "fp8", "bf16")
@@ -49,11 +52,10 @@ class V4Deployment:
     max_batch_size: int = 256
     num_draft_tokens: int = 1
     hot_buffer_rows: int = 0          # per CSA layer and request; 0 = index_topk × s_q
-    cache_bytes: int = 2              # bytes per cached value (bf16)
     host_headroom: float = 0.3        # host pool slack, as cache.host_headroom
 
     def __post_init__(self):
-        for name in ("max_context_len", "max_batch_size", "cache_bytes"):
+        for name in ("max_context_len", "max_batch_size"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{self.name}: {name}={v!r} is invalid: allowed a positive "
@@ -181,7 +183,6 @@ def weights(m: V4Config, fmt: str, expert: int = 1) -> V4Weights:
     routed_mtp = 3 * m.n_routed_experts * m.hidden_size * m.moe_intermediate_size \
         * m.num_nextn_predict_layers
     total = sum(c.values()) + mtp
-    routed = c["routed_experts"] + routed_mtp
     # per token of the main model (the MTP layer runs only when drafting)
     active = (total - mtp - c["routed_experts"] - c["embed"]
               + c["routed_experts"] * m.num_experts_per_tok // m.n_routed_experts)
@@ -194,32 +195,45 @@ def weights(m: V4Config, fmt: str, expert: int = 1) -> V4Weights:
                      routed_dev, fmt)
 
 
+def _layer_parts(m: V4Config, context: int) -> dict[str, dict[str, int]]:
+    """Bytes of one request's state per layer of each type, by part, from the shapes
+    `init_state` allocates (so the plan cannot drift from the engine's state)."""
+    import jax
+    from jlco.model.deepseek_v4.state import init_state
+    shapes = jax.eval_shape(lambda: init_state(m, 1, context))
+    out: dict[str, dict[str, int]] = {}
+    for kind, st in zip(m.layer_types, shapes["layers"]):
+        if kind in out:
+            continue
+        parts = dict(window=st["window"].size * st["window"].dtype.itemsize, entries=0,
+                     indexer_keys=0, carry=0)
+        for sub, key in (("comp", "entries"), ("index", "indexer_keys")):
+            for name, leaf in st.get(sub, {}).items():
+                parts[key if name == "entries" else "carry"] += leaf.size * leaf.dtype.itemsize
+        out[kind] = parts
+    return out
+
+
 def per_request_bytes(dep: V4Deployment, context: int, offload: bool) -> dict:
-    """Device and host bytes one request holds, by layer type (per layer of that type,
-    and summed over the model's layers of it), as `init_state` allocates them, plus the
-    hot buffer and its slot tables when offloaded."""
-    m, cb = dep.model, dep.cache_bytes
-    D, Di, W = m.head_dim, m.index_head_dim, m.sliding_window
-    window = W * D * cb
+    """Device and host bytes one request holds, per layer of each type and summed over
+    the model's layers, plus the hot buffer and its slot tables when offloaded (CSA's
+    entries then live in the host pool)."""
+    m = dep.model
+    row = m.head_dim * np.dtype(dtype_of(m)).itemsize
     kinds = {}
-    for kind in (SLIDING, CSA, HCA):
-        rate = {SLIDING: 0, CSA: m.compress_rate_csa, HCA: m.compress_rate_hca}[kind]
-        entries = (context // rate) * D * cb if rate else 0
-        o = 2 * D if kind == CSA else D
-        carry = rate * o * (cb + 4) + (rate * D * (cb + 4) if kind == CSA else 0) if rate else 0
-        keys = (context // rate) * Di * cb if kind == CSA else 0
-        icarry = rate * 2 * Di * (cb + 4) + rate * Di * (cb + 4) if kind == CSA else 0
+    for kind, parts in _layer_parts(m, context).items():
         off = offload and kind == CSA
-        hot = dep.hot_rows * (D * cb + _SLOT_TABLE_BYTES) if off else 0
-        kinds[kind] = dict(window=window, entries_device=0 if off else entries,
-                           hot_buffer=hot, indexer_keys=keys, carry=carry + icarry,
-                           host=entries if off else 0)
-        kinds[kind]["device"] = (window + kinds[kind]["entries_device"] + hot + keys
-                                 + carry + icarry)
+        v = dict(window=parts["window"], entries_device=0 if off else parts["entries"],
+                 hot_buffer=dep.hot_rows * (row + _SLOT_TABLE_BYTES) if off else 0,
+                 indexer_keys=parts["indexer_keys"], carry=parts["carry"],
+                 host=parts["entries"] if off else 0)
+        v["device"] = sum(v[k] for k in ("window", "entries_device", "hot_buffer",
+                                         "indexer_keys", "carry"))
+        kinds[kind] = v
     n = layer_counts(m)
-    device = sum(n[k] * v["device"] for k, v in kinds.items())
-    host = sum(n[k] * v["host"] for k, v in kinds.items())
-    return dict(per_layer=kinds, layers=n, device=device, host=host,
+    return dict(per_layer=kinds, layers=n,
+                device=sum(n[k] * v["device"] for k, v in kinds.items()),
+                host=sum(n[k] * v["host"] for k, v in kinds.items()),
                 activations=dep.s_q * activation_bytes_per_token(m, context))
 
 

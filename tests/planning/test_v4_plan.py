@@ -56,8 +56,7 @@ def test_published_sizes(config, total_b, active_b):
 
 
 def test_cache_bytes_are_what_init_state_allocates():
-    dep = v4.V4Deployment(name="tiny", model=TINY, max_context_len=256, num_draft_tokens=0,
-                          cache_bytes=4)
+    dep = v4.V4Deployment(name="tiny", model=TINY, max_context_len=256, num_draft_tokens=0)
     state = jax.eval_shape(lambda: init_state(TINY, 1, 256))
     allocated = sum(math.prod(x.shape) * x.dtype.itemsize
                     for x in jax.tree_util.tree_leaves(state["layers"]))
@@ -65,8 +64,7 @@ def test_cache_bytes_are_what_init_state_allocates():
 
 
 def test_offload_moves_csa_entries_only():
-    dep = v4.V4Deployment(name="tiny", model=TINY, max_context_len=256, num_draft_tokens=0,
-                          cache_bytes=4)
+    dep = v4.V4Deployment(name="tiny", model=TINY, max_context_len=256, num_draft_tokens=0)
     off, on = (v4.per_request_bytes(dep, 256, o) for o in (False, True))
     csa_entries = 2 * (256 // 4) * 32 * 4          # 2 CSA layers, [T, D] f32
     hot = 2 * dep.hot_rows * (32 * 4 + 9)
