@@ -150,8 +150,8 @@ def _prefix_metrics(loop):
 
 def _prefetch_metrics(health: dict):
     """The prefetch scheduler's health per layer (`OffloadMetrics.health`):
-    jlco_prefetch_rows_needed = _hit + _prefetched_used + _on_demand, and the seconds
-    steps waited on fetches."""
+    jlco_prefetch_rows_needed = _hit + _prefetched_used + _on_demand, the seconds
+    steps waited on fetches, and the layer-ahead prediction's rows and right ones."""
     per = health["per_layer"]
     families = (
         (CounterMetricFamily("jlco_prefetch_rows_needed", "Latent rows attention read",
@@ -168,7 +168,13 @@ def _prefetch_metrics(health: dict):
                              "read them (the critical path)", labels=["layer"]),
          "rows_on_demand"),
         (CounterMetricFamily("jlco_prefetch_fetch_wait_seconds", "Seconds steps waited on "
-                             "fetches (host-driven path)", labels=["layer"]), "fetch_wait_s"))
+                             "fetches (host-driven path)", labels=["layer"]), "fetch_wait_s"),
+        (CounterMetricFamily("jlco_prefetch_rows_predicted", "Rows the layer-ahead "
+                             "prediction chose (cache.prefetch_ahead)", labels=["layer"]),
+         "rows_predicted"),
+        (CounterMetricFamily("jlco_prefetch_rows_predicted_correct", "Predicted rows the "
+                             "layer's real top-k then read", labels=["layer"]),
+         "rows_predicted_correct"))
     for fam, key in families:
         for layer, v in enumerate(per[key]):
             fam.add_metric([str(layer)], v)

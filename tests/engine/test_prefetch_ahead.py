@@ -80,6 +80,11 @@ def test_health_reports_the_prediction():
     record_stats(m, stats)
     per = m.health()["per_layer"]
     assert per["rows_predicted"] == [0, 9] and per["rows_predicted_correct"] == [0, 7]
+    from jlco.server.metrics import _prefetch_metrics       # /metrics, per layer
+    fams = {f.name: [(s.labels["layer"], s.value) for s in f.samples]
+            for f in _prefetch_metrics(m.health())}
+    assert fams["jlco_prefetch_rows_predicted"] == [("0", 0), ("1", 9)]
+    assert fams["jlco_prefetch_rows_predicted_correct"] == [("0", 0), ("1", 7)]
 
 
 def _stepwise(cfg, model, prompts, new_tokens):
