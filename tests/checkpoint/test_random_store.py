@@ -2,6 +2,8 @@
 cache on, the second build reads the arrays back, bit for bit the eagerly built model
 (float32 and bfloat16); with the cache off nothing is written."""
 
+import pytest
+
 from jlco.util import compile_cache
 from tests.support.cli import run
 
@@ -38,6 +40,7 @@ def test_second_build_reads_the_same_bits(tmp_path):
     assert len(list((tmp_path / "c" / "random_models").glob("*.npz"))) == 2
 
 
+@pytest.mark.slow   # a second interpreter: the slow tier; the cache-on test stays default
 def test_nothing_is_stored_with_the_cache_off():
     r = run("-c", CODE, env={compile_cache.ENV_VAR: ""})
     assert r.returncode == 0, r.stderr[-3000:]

@@ -65,7 +65,8 @@ def _log_softmax(x):
     return x - np.log(np.exp(x).sum())
 
 
-@pytest.mark.parametrize("offload", [False, True])
+# offload on: the slow tier (pyproject.toml); offload on == off is test_engine.py's
+@pytest.mark.parametrize("offload", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_greedy_tokens_follow_the_reference_rules(pair, offload):
     ref, model = pair
     plain, ruled = _prompts()

@@ -5,12 +5,17 @@ its jitted step is called with `DecodeCache.scan_len` set, and the runner's host
 of each slot's length (`ModelRunner.slot_len`, what picks the bucket) stays equal to the
 cache's lengths after every step."""
 
+import pytest
 from tests.support.engine_workload import BASE, NEW_TOKENS, run_workload
 
 from jlco.engine.core import Engine
 from jlco.engine.speculative import ListDrafter
 
 
+# The slow tier (pyproject.toml): a 2048-position cache. The default tier keeps the
+# speculative engine's exactness tests (test_speculative.py) and runs drafts with offload
+# at a 2048-token context in the server app (test_messages.py).
+@pytest.mark.slow
 def test_spec_steps_scan_a_bucket_and_match_greedy(model, prompts):
     _, want = run_workload(BASE, model, prompts)
     truth = [toks for toks, _ in want]

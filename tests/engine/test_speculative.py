@@ -180,7 +180,9 @@ def _reference_mtp(model, seq):
     return np.asarray(jnp.argmax(logits[0], axis=-1)), x, cache
 
 
-@pytest.mark.parametrize("run", ["mtp", "mixed"])
+# "mixed" (a drafter mixing MTP and fixed drafts): the slow tier, with the other tests
+# of that drafter
+@pytest.mark.parametrize("run", ["mtp", pytest.param("mixed", marks=pytest.mark.slow)])
 def test_mtp_drafts_match_from_scratch_mtp(model, prompts, greedy, run):
     """Every MTP step's drafts equal a from-scratch MTP pass over the final sequence:
     d_1 is the MTP prediction at L-1 from (h_{L-1}, x_L), d_2 the chained one at L from
