@@ -58,11 +58,14 @@ def _float_keys(k):
 
 
 def _ref_operands(q, weights, k_cache, key_format):
-    """(queries, weights f32, keys) in the reference's compute dtypes (`validate` has
-    checked that fp8 keys, and only they, are uint8)."""
+    """(queries, weights f32, keys as stored, compute dtype) (`validate` has checked that
+    fp8 keys, and only they, are uint8). The keys stay in their storage bytes: each key
+    block is viewed as e4m3 and widened after it is sliced (`_ref_block_scores`), since
+    XLA:CPU materialises a bitcast-convert of the whole cache (a step at 128K held every
+    layer's [b, L, D] e4m3 copy and its f16 widening: 1.6 GB of 2.2 GB of temporaries)."""
     del key_format
     cdt = compute_dtype(q.dtype, k_cache.dtype)
-    return q.astype(cdt), weights.astype(jnp.float32), _float_keys(k_cache), cdt
+    return q.astype(cdt), weights.astype(jnp.float32), k_cache, cdt
 
 
 def _head_scores(qc, wf, kb, sb):
@@ -139,7 +142,7 @@ def _ref_block_scores(ops, k_scale, lengths, lo, width, s_q, fresh=None, native_
     """Masked scores [b, s_q, width] f32 of keys lo .. lo+width (lo may be traced);
     `fresh` (`_fresh_scores`): those positions take the fresh keys' scores."""
     qc, wf, k, cdt = ops
-    kb = jax.lax.dynamic_slice_in_dim(k, lo, width, axis=1)
+    kb = _float_keys(jax.lax.dynamic_slice_in_dim(k, lo, width, axis=1))
     sb = None
     if k_scale is not None:
         sb = jax.lax.dynamic_slice_in_dim(k_scale, lo, width, axis=1).astype(jnp.float32)

@@ -191,7 +191,7 @@ def test_chunk_scores_in_tiles_equal_one_einsum(key_format):
     ops = ixr._ref_operands(q, w, k, "fp8" if key_format == "fp8" else "bf16")
     lengths = jnp.asarray([700], jnp.int32)
     tiled = ixr._ref_block_scores(ops, scale, lengths, 0, 700, 32)
-    kf = ops[2].astype(jnp.float32)
+    kf = ixr._float_keys(ops[2]).astype(jnp.float32)     # ops keep the stored bytes
     logits = jnp.einsum("bthd,bsd->bths", q, kf, precision="highest")
     if scale is not None:
         logits = logits * scale[:, None, None, :]
