@@ -463,10 +463,11 @@ class CacheConfig:
                        index_topk * (1 + num_draft_tokens); 0 means "that minimum".
                        (Was `staging_capacity`; that spelling is accepted for one release.)
     fetch_chunk_rows:  most rows per host->device fetch chunk (later chunks gather while
-                       earlier ones transfer); 0 = one chunk; "auto" = derived from the
-                       transfer path measured at start-up (`jlco.offload.schedule`:
-                       a chunk's transfer is 8x its fixed cost; `planning.probe.
-                       host_transfer`).
+                       earlier ones transfer); 0 = one chunk; "auto" = on the
+                       host-driven path derived from the transfer path measured at
+                       start-up (`jlco.offload.schedule`: a chunk's transfer is 8x its
+                       fixed cost; `planning.probe.host_transfer`), on the in-jit path
+                       256 (a shape of the compiled step: never from a timing).
                        (Was `prefetch_window`; that spelling is accepted for one release.)
     prefetch_threads:  host threads issuing prefetch transfers.
     eviction:          hot-buffer victim policy.

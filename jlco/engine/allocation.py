@@ -14,7 +14,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from jlco.config import Config
-from jlco.engine import fetch_schedule
 from jlco.sampling.penalize import SeenTokens
 from jlco.model import kv_cache
 from jlco.model.kv_cache import DecodeCache, cache_layers, init_cache
@@ -24,11 +23,20 @@ from jlco.parallel import data as parallel_data
 from jlco.parallel import mesh as parallel_mesh
 
 
+# The in-jit path's chunk under cache.fetch_chunk_rows="auto". Its chunk is a shape of the
+# compiled step, so it must not come from a timing: a measured value (the host-driven
+# path's, `fetch_schedule.chunk_rows`) varies run to run (128-1024 rows on one CPU box),
+# which would give every run its own programs (no persistent-cache hit) and, across
+# processes, steps that differ (jlco.serve over several processes runs one SPMD program).
+IN_JIT_AUTO_CHUNK_ROWS = 256
+
+
 def _chunk_rows(cfg: Config) -> int:
     """In-jit fetch moves misses in chunks of this many rows (0 = one padded gather of
-    every possible miss); cache.fetch_chunk_rows ("auto": `fetch_schedule.chunk_rows`)
+    every possible miss); cache.fetch_chunk_rows ("auto": IN_JIT_AUTO_CHUNK_ROWS)
     bounds it."""
-    return max(0, min(fetch_schedule.chunk_rows(cfg), cfg.hot_buffer_rows))
+    rows = cfg.cache.fetch_chunk_rows
+    return max(0, min(IN_JIT_AUTO_CHUNK_ROWS if rows == "auto" else rows, cfg.hot_buffer_rows))
 
 
 def host_pages(cfg: Config) -> PageAllocator | RankedPages | None:
