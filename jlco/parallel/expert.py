@@ -51,10 +51,15 @@ def parallel_size() -> int:
     return dict(mesh.shape).get(EXPERT_AXIS, 1)
 
 
-def experts_parallel(x, w, ids, gate, up, down):
+def swiglu(gate, up):
+    return jax.nn.silu(gate) * up
+
+
+def experts_parallel(x, w, ids, gate, up, down, act=swiglu):
     """x [n, d], w / ids [n, k] (replicated), gate / up [E, d, f], down [E, f, d] (split
     over the expert axis) → Σ_k w · expert_ids(x) [n, d] in x.dtype, as
-    `Experts.__call__` computes on one device."""
+    `Experts.__call__` computes on one device. `act`(gate, up) is the experts'
+    activation (elementwise: DeepSeek-V4 clamps before SwiGLU)."""
     p, e = parallel_size(), gate.shape[0]
     if e % p:
         raise ValueError(f"model.n_routed_experts={e} is not divisible by mesh.expert={p}")
@@ -68,7 +73,8 @@ def experts_parallel(x, w, ids, gate, up, down):
     up_spec = spec_for(("expert", "embed", "mlp"), gate.shape, mesh_shape)
     down_spec = spec_for(("expert", "mlp", "embed"), down.shape, mesh_shape)
     split = PartitionSpec(EXPERT_AXIS)
-    body = jax.shard_map(functools.partial(_dispatch_combine, tensor=HIDDEN_AXIS in up_spec),
+    body = jax.shard_map(functools.partial(_dispatch_combine, tensor=HIDDEN_AXIS in up_spec,
+                                           act=act),
                          in_specs=(split, split, split, up_spec, up_spec, down_spec),
                          out_specs=split)
     with jax.named_scope("expert_parallel"):
@@ -78,7 +84,7 @@ def experts_parallel(x, w, ids, gate, up, down):
         return jax.lax.with_sharding_constraint(y, PartitionSpec())[:n]
 
 
-def _dispatch_combine(x, w, ids, gate, up, down, *, tensor: bool):
+def _dispatch_combine(x, w, ids, gate, up, down, *, tensor: bool, act=swiglu):
     """One device's shard: x [n, d] tokens, w / ids [n, k], its E/P local experts (with
     `tensor`, a slice of their hidden dimension: the partial outputs are summed over the
     tensor axis before they go back)."""
@@ -100,7 +106,8 @@ def _dispatch_combine(x, w, ids, gate, up, down, *, tensor: bool):
         recv = jax.lax.all_to_all(send, EXPERT_AXIS, 0, 0)
         recv_eid = jax.lax.all_to_all(eid, EXPERT_AXIS, 0, 0)
     ys = jax.lax.platform_dependent(recv.reshape(p * a, d), recv_eid.reshape(-1), gate, up,
-                                   down, cpu=local_dense, default=local_grouped)
+                                   down, cpu=functools.partial(local_dense, act=act),
+                                   default=functools.partial(local_grouped, act=act))
     if tensor:
         ys = jax.lax.psum(ys, HIDDEN_AXIS)
     with jax.named_scope("combine"):
@@ -113,19 +120,19 @@ def _dispatch_combine(x, w, ids, gate, up, down, *, tensor: bool):
     return jnp.einsum("nkd,nk->nd", got.reshape(n, k, d), w.astype(jnp.float32)).astype(x.dtype)
 
 
-def local_dense(rows, eid, gate, up, down):
+def local_dense(rows, eid, gate, up, down, act=swiglu):
     """Every local expert over every received row, each row keeping its own expert's
     output (XLA:CPU has no grouped matmul; see `Experts._dense`) → [m, d] f32; rows with
     eid -1 give zeros."""
     e = gate.shape[0]
     pick = (eid[:, None] == jnp.arange(e, dtype=eid.dtype)[None]).astype(jnp.float32)
     xs = jnp.broadcast_to(rows.astype(gate.dtype), (e, *rows.shape))
-    hid = jax.nn.silu(jnp.einsum("end,edf->enf", xs, gate)) * jnp.einsum("end,edf->enf", xs, up)
+    hid = act(jnp.einsum("end,edf->enf", xs, gate), jnp.einsum("end,edf->enf", xs, up))
     ys = jnp.einsum("enf,efd->end", hid, down).astype(jnp.float32)
     return jnp.einsum("end,ne->nd", ys, pick)
 
 
-def local_grouped(rows, eid, gate, up, down):
+def local_grouped(rows, eid, gate, up, down, act=swiglu):
     """Received rows sorted by local expert through grouped matmuls (`ragged_dot`), cost
     following the rows, not the experts → [m, d] f32; rows with eid -1 give zeros."""
     e = gate.shape[0]
@@ -133,7 +140,7 @@ def local_grouped(rows, eid, gate, up, down):
     order = jnp.argsort(key, stable=True)
     sizes = jnp.zeros((e + 1,), jnp.int32).at[key].add(1)[:e]
     xs = rows[order].astype(gate.dtype)
-    hid = jax.nn.silu(jax.lax.ragged_dot(xs, gate, sizes)) * jax.lax.ragged_dot(xs, up, sizes)
+    hid = act(jax.lax.ragged_dot(xs, gate, sizes), jax.lax.ragged_dot(xs, up, sizes))
     ys = jax.lax.ragged_dot(hid, down, sizes).astype(jnp.float32)
     ys = jnp.where((key[order] < e)[:, None], ys, 0.0)
     return jnp.zeros_like(ys).at[order].set(ys)

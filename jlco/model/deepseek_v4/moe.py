@@ -34,10 +34,10 @@ class ClampedExperts(Experts):
         return clamped_swiglu(gate, up, self.limit)
 
     def __call__(self, x, w, ids):
-        if expert_parallel.parallel_size() > 1:
-            raise NotImplementedError("deepseek_v4 with an expert-parallel mesh is not "
-                                      "implemented yet (its all-to-all experts run an "
-                                      "unclamped SwiGLU)")
+        if expert_parallel.parallel_size() > 1 and not self.per_expert:
+            return expert_parallel.experts_parallel(
+                x, w, ids, self.gate_proj[...], self.up_proj[...], self.down_proj[...],
+                act=self.act)
         return super().__call__(x, w, ids)
 
 
