@@ -79,13 +79,18 @@ def test_greedy_decode_matches_generate(reference, loaded):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("chunk", [3])
-def test_chunked_prefill_equals_the_full_forward(loaded, chunk):
+@pytest.mark.parametrize("chunk, gather", [(3, False), (8, True)])
+def test_chunked_prefill_equals_the_full_forward(loaded, chunk, gather, monkeypatch):
+    """Chunks smaller than a window and across them; CSA's picks masked (what the tiny
+    shapes choose) and gathered (what long contexts choose)."""
+    monkeypatch.setattr(v4_state, "gather_picks", lambda s, *_: gather or s == 1)
     jm = loaded[1]
     tokens = jnp.asarray(_prompt(2, 29, 4))
     logits, state = v4_state.prefill(jm, tokens, max_len=32, chunk=chunk)
     np.testing.assert_allclose(np.asarray(logits), np.asarray(jm(tokens)), atol=5e-5)
     np.testing.assert_array_equal(np.asarray(state["pos"]), [29, 29])
+    with pytest.raises(ValueError, match="exceed the state's room of 32 tokens"):
+        v4_state.forward_chunk(jm, state, tokens[:, :4])
 
 
 @pytest.mark.slow

@@ -124,13 +124,20 @@ def attention_chunk(attn: V4Attention, st: dict, x: jax.Array, p0: jax.Array):
             iq, iw = attn.indexer.queries(x, qr, cos, sin)
             ids, ok = topk_picks(attn.indexer.scores(iq, iw, index["entries"]), visible,
                                  min(cfg.index_topk, cap))
-            if s == 1:       # decode: gather the picked entries ([b, 1, k, D])
-                parts.append((comp["entries"][rows[..., None], ids], ok))
-            else:            # prefill: mask the entries ([b, s, T])
+            if gather_picks(s, ids.shape[-1], cfg.head_dim, cfg.num_attention_heads, cap):
+                parts.append((comp["entries"][rows[..., None], ids], ok))   # [b, s, k, D]
+            else:                                                          # [b, s, T] mask
                 picked = jnp.zeros(visible.shape, bool).at[
                     rows[..., None], jnp.arange(s)[None, :, None], ids].max(ok)
                 parts.append((comp["entries"], picked))
     return attn.output(attn.attend(q, parts), cos, sin), st
+
+
+def gather_picks(s: int, k: int, d: int, heads: int, entries: int) -> bool:
+    """Whether CSA attends its k picks gathered per query ([s, k, D] keys) rather than
+    all T entries under a pick mask ([s, H, T] logits): gathered when one query's
+    gathered keys are no bigger than its masked logits (decode, long contexts)."""
+    return s == 1 or k * d <= heads * entries
 
 
 def layer_chunk(layer: V4DecoderLayer, st: dict, streams, tokens, p0):
@@ -142,13 +149,27 @@ def layer_chunk(layer: V4DecoderLayer, st: dict, streams, tokens, p0):
 
 def forward_chunk(model: DeepseekV4, state: dict, tokens: jax.Array):
     """tokens [b, s] at positions pos … pos+s−1 of each request → (logits [b, s, V]
-    f32, state). The caller keeps pos + s within the state's max_len."""
+    f32, state). pos + s must stay within `capacity` (checked here when pos is
+    concrete; a jitted caller checks it on the host)."""
     p0 = state["pos"]
+    if not isinstance(p0, jax.core.Tracer):
+        room = capacity(model.cfg, state)
+        if int(jnp.max(p0)) + tokens.shape[1] > room:
+            raise ValueError(f"{tokens.shape[1]} more token(s) after {int(jnp.max(p0))} exceed "
+                             f"the state's room of {room} tokens (init_state max_len)")
     streams, layers = model.streams(tokens), []
     for layer, st in zip(model.layers, state["layers"]):
         streams, st = layer_chunk(layer, st, streams, tokens, p0)
         layers.append(st)
     return model.logits(streams), {"pos": p0 + tokens.shape[1], "layers": layers}
+
+
+def capacity(cfg: V4Config, state: dict) -> int:
+    """Tokens a request's state has room for (a compressed layer holds max_len // m
+    entries; past that, entries would be lost, so callers stop there)."""
+    room = [st["comp"]["entries"].shape[1] * cfg.compress_rate(i)
+            for i, st in enumerate(state["layers"]) if "comp" in st]
+    return min(room, default=cfg.max_position_embeddings)
 
 
 def decode_step(model: DeepseekV4, state: dict, tokens: jax.Array):
