@@ -54,6 +54,23 @@ def test_logits_match_transformers(reference, loaded):
 
 
 @pytest.mark.slow
+def test_yarn_compress_rope(tmp_path):
+    """A flat YaRN rope_parameters goes to the "compress" RoPE only (attention_factor 1):
+    logits match with it (without YaRN they are off by 0.2)."""
+    model = build_hf_v4_model(rope_parameters={
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
+        "beta_fast": 32.0, "beta_slow": 1.0})
+    model.save_pretrained(tmp_path)
+    tokens = _prompt(1, 40, 7)
+    with torch.no_grad():
+        want = model(torch.from_numpy(tokens)).logits.numpy()
+    cfg, jm = load_v4(tmp_path, dtype="float32")
+    assert cfg.rope_scaling.factor == 4.0 and cfg.rope_attention_factor == 1.0
+    got = np.asarray(jm(jnp.asarray(tokens)))
+    assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
+
+
+@pytest.mark.slow
 def test_greedy_decode_matches_generate(reference, loaded):
     """Prefill 37 tokens in chunks of 5 (across window and rate boundaries), then 20
     one-token steps through the decode state: transformers' greedy tokens, and
