@@ -340,6 +340,7 @@ print("ubsan-clean")
 """
 
 
+@pytest.mark.slow   # a sanitizer build and a second interpreter: the slow tier (CI runs it)
 def test_the_kernels_run_clean_under_ubsan(tmp_path):
     """kernels.cc built with -fsanitize=undefined (abort on the first report) runs the
     top-k over negative floats, NaN, -0.0 and infinities, the indexer's scores with a
