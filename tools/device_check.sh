@@ -17,7 +17,9 @@
 # code 5 = no test ran counts as success); c_bench_kernels; d_bench_fetch,
 # d_bench_fetch_path; e_bench_decode_32k, e_bench_decode_128k (real head shapes: 128 heads,
 # kv_lora 512, rope 64, index 64 x 128, top-k 2048, fp8 rows and keys; hidden 7168, 2
-# layers), plus e_bench_decode_32k_xla when the kernel run at 32K failed.
+# layers), plus e_bench_decode_32k_xla when the kernel run at 32K failed; f_prefetch_knobs
+# (tools/tune.py: split attention and layer-ahead prefetch off/on on the host-driven path,
+# with the prefetch health counters), before the 128K decode.
 
 set -u
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -87,6 +89,7 @@ if [ "$DRY" = 1 ]; then
           --impl=auto)
   CTX_A=1024; CTX_B=2048
   PYTEST_T=120; KERNELS_T=60; FETCH_T=60; FETCH_PATH_T=90; DECODE_T=90
+  KNOBS_CONFIG=configs/tiny.py; KNOBS_PROMPT=96; KNOBS_REPEATS=1; KNOBS_T=240
 else
   KERNELS=()
   FETCH=()
@@ -95,6 +98,7 @@ else
           --impl=auto)
   CTX_A=32768; CTX_B=131072
   PYTEST_T=100; KERNELS_T=80; FETCH_T=45; FETCH_PATH_T=60; DECODE_T=170
+  KNOBS_CONFIG=configs/bench_mid.py; KNOBS_PROMPT=2048; KNOBS_REPEATS=2; KNOBS_T=90
 fi
 
 # (a) the machine
@@ -134,6 +138,15 @@ if [ "$LAST_OK" != true ]; then
   run_step e_bench_decode_32k_xla "$DECODE_T" "0" "$PY" tools/bench_decode.py \
     "${DECODE_XLA[@]}" --sweep_contexts="$CTX_A" --out="$OUT/decode_${CTX_A}_xla"
 fi
+# (f) the prefetch scheduler's knobs on the host-driven path against on-demand fetch:
+# split attention and layer-ahead prefetch off/on, fetch chunk and depth "auto" (what they
+# resolved to, TPOT, and the health counters: rows hit / prefetched used and unused / on
+# demand, fetch-wait seconds, prediction accuracy), tokens checked against offload off
+run_step f_prefetch_knobs "$KNOBS_T" "0" "$PY" tools/tune.py --config="$KNOBS_CONFIG" \
+  --fetch_path=host_driven --split_attention=false,true --prefetch_ahead=false,true \
+  --fetch_chunk_rows=auto --prefetch_depth=auto --hot_buffer_rows=1x --eviction=lru \
+  --max_trials=4 --repeats="$KNOBS_REPEATS" --num_requests=4 --prompt_len="$KNOBS_PROMPT" \
+  --gen_len=16 --json
 run_step e_bench_decode_128k "$DECODE_T" "0" "$PY" tools/bench_decode.py "${DECODE[@]}" \
   --sweep_contexts="$CTX_B" --out="$OUT/decode_$CTX_B"
 
