@@ -10,7 +10,8 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tools" / "device_check.sh"
 STEPS = ["a_nvidia_smi", "a_jax_devices", "b_pytest_accelerator", "c_bench_kernels",
-         "d_bench_fetch", "d_bench_fetch_path", "e_bench_decode_32k", "e_bench_decode_128k"]
+         "d_bench_fetch", "d_bench_fetch_path", "e_bench_decode_32k", "f_prefetch_knobs",
+         "e_bench_decode_128k"]
 
 
 def _run(tmp_path, timeout, **env):
@@ -31,7 +32,7 @@ def test_spent_budget_skips_and_records_every_step(tmp_path):
     assert summary["dry_run"] is True and summary["all_ok"] is False
     # the 32K decode step failed (skipped), so its XLA fallback is tried (and skipped) too
     names = [s["name"] for s in summary["steps"]]
-    assert names == STEPS[:7] + ["e_bench_decode_32k_xla", STEPS[7]]
+    assert names == STEPS[:7] + ["e_bench_decode_32k_xla"] + STEPS[7:]
     for s in summary["steps"]:
         assert s["exit_code"] == 124 and not s["ok"] and "skipped" in s["note"]
         assert (tmp_path / "dc" / s["log"]).is_file()
@@ -54,5 +55,7 @@ def test_dry_run_every_step_succeeds(tmp_path):
         assert (out / name).stat().st_size > 0, name
     dec = json.loads((out / "decode_1024" / "bench_decode_sweep.json").read_text())
     assert dec["sweep"][0]["runs"][0]["roofline_fraction"] > 0
-    assert summary["elapsed_s"] < 180
+    knobs = (out / "f_prefetch_knobs.log").read_text()
+    assert "split_attention" in knobs and "prefetch_ahead" in knobs
+    assert summary["elapsed_s"] < 300
     assert not (tmp_path / "out").exists()
