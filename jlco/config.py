@@ -779,17 +779,7 @@ def load_config(path: str | pathlib.Path) -> Config:
     error. With cache.storage='file', cache.storage_path is checked here, against the
     filesystem (Config itself stays pure: a config may be built on another machine)."""
     path = pathlib.Path(path)
-    if not path.is_file():
-        raise ConfigError(f"config file {str(path)!r} does not exist")
-    spec = importlib.util.spec_from_file_location(f"jlco_config_{path.stem}", path)
-    mod = importlib.util.module_from_spec(spec)
-    try:
-        spec.loader.exec_module(mod)
-    except ConfigError as err:
-        raise ConfigError(f"{path}{_config_line(err, path)}: {err}") from None
-    except Exception as err:  # noqa: BLE001 - any failure of a user's file is bad input
-        raise ConfigError(f"{path}{_config_line(err, path)}: {type(err).__name__}: "
-                          f"{err}") from None
+    mod = run_config_file(path)
     cfg = getattr(mod, "CONFIG", None)
     if cfg is None and getattr(mod, "DEPLOYMENT", None) is not None:
         raise ConfigError(f"{path}: a DeepSeek-V4 deployment (DEPLOYMENT, no CONFIG): "
@@ -801,6 +791,23 @@ def load_config(path: str | pathlib.Path) -> Config:
     if cfg.cache.storage == "file":
         check_storage_path(cfg.cache.storage_path, str(path))
     return cfg
+
+
+def run_config_file(path: pathlib.Path):
+    """Execute a python config file → its module; whatever goes wrong becomes one
+    ConfigError naming the file (and the line, for an exception raised while it runs)."""
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist")
+    spec = importlib.util.spec_from_file_location(f"jlco_config_{path.stem}", path)
+    mod = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(mod)
+    except ConfigError as err:
+        raise ConfigError(f"{path}{_config_line(err, path)}: {err}") from None
+    except Exception as err:  # noqa: BLE001 - any failure of a user's file is bad input
+        raise ConfigError(f"{path}{_config_line(err, path)}: {type(err).__name__}: "
+                          f"{err}") from None
+    return mod
 
 
 def _config_line(err: BaseException, path: pathlib.Path) -> str:

@@ -317,19 +317,9 @@ def _mb(x: float) -> str:
 def load_deployment(path) -> V4Deployment | None:
     """The `DEPLOYMENT` a config file defines (None when it defines none); any error
     while the file runs is a ConfigError naming the file."""
-    import importlib.util
     import pathlib
-    from jlco.config import ConfigError
-    path = pathlib.Path(path)
-    if not path.is_file():
-        raise ConfigError(f"config file {str(path)!r} does not exist")
-    spec = importlib.util.spec_from_file_location(f"jlco_deployment_{path.stem}", path)
-    mod = importlib.util.module_from_spec(spec)
-    try:
-        spec.loader.exec_module(mod)
-    except Exception as err:  # noqa: BLE001 - any failure of a user's file is bad input
-        raise ConfigError(f"{path}: {type(err).__name__}: {err}") from None
-    dep = getattr(mod, "DEPLOYMENT", None)
+    from jlco.config import ConfigError, run_config_file
+    dep = getattr(run_config_file(pathlib.Path(path)), "DEPLOYMENT", None)
     if dep is not None and not isinstance(dep, V4Deployment):
         raise ConfigError(f"{path}: DEPLOYMENT must be a jlco.planning.v4.V4Deployment")
     return dep
