@@ -98,7 +98,9 @@ class ModelRunner:
         self.graphdef, self.state = nnx.split(_for_backend(cfg, model))
         self.batch, self.max_len = cfg.engine.max_batch_size, cfg.engine.max_context_len
         self.offload = cfg.cache.offload
-        self.metrics = OffloadMetrics(cache_layers(cfg), cfg.row_bytes) if self.offload else None
+        n_cache = cache_layers(cfg)
+        self.metrics = OffloadMetrics(n_cache, cfg.row_bytes, tuple(
+            cfg.model.shares_topk(i) for i in range(n_cache))) if self.offload else None
         self.warmup_rows = 0   # rows fetched by admission warm-ups (all layers)
         self._imported: dict[int, tuple] = {}   # unclaimed imports: (payload, page row)
         self.cache, self.pages = allocate_cache(cfg)

@@ -16,14 +16,20 @@ class OffloadMetrics:
     """Per-layer counters. `update` takes Python ints or jax scalars (read here, which
     syncs: record once per step, not inside the layer loop, where latency matters)."""
 
-    def __init__(self, num_layers: int, row_bytes: int):
+    def __init__(self, num_layers: int, row_bytes: int, shared: tuple[bool, ...] | None = None):
+        """`shared`: per layer, whether it reuses the top-k of the full layer before it
+        (IndexShare); its rows are planned and fetched by that full layer's step."""
         if not isinstance(num_layers, int) or num_layers <= 0:
             raise ValueError(f"OffloadMetrics: num_layers={num_layers!r} is invalid: "
                              "allowed a positive integer")
         if not isinstance(row_bytes, int) or row_bytes <= 0:
             raise ValueError(f"OffloadMetrics: row_bytes={row_bytes!r} is invalid: "
                              "allowed a positive integer")
-        self.num_layers, self.row_bytes = num_layers, row_bytes
+        shared = tuple(bool(x) for x in shared) if shared is not None else (False,) * num_layers
+        if len(shared) != num_layers:
+            raise ValueError(f"OffloadMetrics: shared has {len(shared)} entries: allowed "
+                             f"num_layers={num_layers}")
+        self.num_layers, self.row_bytes, self.shared = num_layers, row_bytes, shared
         # A server scrapes from another thread: snapshots never see a half-made update
         # (hits + misses == lookups in every snapshot).
         self._lock = threading.Lock()
@@ -75,15 +81,20 @@ class OffloadMetrics:
         layer-ahead prefetch (`cache.prefetch_ahead`): rows_predicted (distinct positions
         the prediction chose for the layer) and rows_predicted_correct (of those, the ones
         its real top-k selected): recall = correct / rows_needed, precision = correct /
-        rows_predicted; both 0 with the prefetch off."""
+        rows_predicted; both 0 with the prefetch off. An IndexShare shared layer's rows
+        were fetched by its group's full layer before it attends: the full layer's
+        on-demand rows are its prefetched-used rows, and it has none on demand (the
+        raw counters in `snapshot` keep the group's lookups, hits and misses)."""
         snap = self.snapshot()
         per = snap["per_layer"]
+        sh = self.shared
         layers = {
             "rows_needed": per["lookups"],
             "rows_hit": [h - u for h, u in zip(per["hits"], per["prefetch_used"])],
-            "rows_prefetched_used": per["prefetch_used"],
+            "rows_prefetched_used": [u + m if s else u for u, m, s in
+                                     zip(per["prefetch_used"], per["misses"], sh)],
             "rows_prefetched_unused": per["prefetch_unused"],
-            "rows_on_demand": per["misses"],
+            "rows_on_demand": [0 if s else m for m, s in zip(per["misses"], sh)],
             "h2d_bytes": per["h2d_bytes"], "d2h_bytes": per["d2h_bytes"],
             "fetch_wait_s": per["fetch_wait_s"],
             "rows_predicted": per["predicted"],

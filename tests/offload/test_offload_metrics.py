@@ -32,3 +32,21 @@ def test_bad_arguments():
         m.update(0, hits=-1)
     with pytest.raises(ValueError, match="num_layers=0"):
         OffloadMetrics(0, 8)
+    with pytest.raises(ValueError, match="shared has 1 entries"):
+        OffloadMetrics(2, 8, (True,))
+
+
+def test_a_shared_layers_rows_come_from_its_full_layer():
+    """IndexShare: the group's counters (the same lookups, hits, misses for the full and
+    the shared layer) read, for the shared layer, as rows its full layer fetched ahead:
+    prefetched and used, none on demand; rows_needed still adds up."""
+    m = OffloadMetrics(2, 8, (False, True))
+    for layer in (0, 1):
+        m.update(layer, lookups=10, hits=6, misses=4, prefetch_used=2)
+    h = m.health()["per_layer"]
+    assert h["rows_on_demand"] == [4, 0] and h["rows_prefetched_used"] == [2, 6]
+    assert h["rows_hit"] == [4, 4]
+    for i in (0, 1):
+        assert h["rows_needed"][i] == (h["rows_hit"][i] + h["rows_prefetched_used"][i]
+                                       + h["rows_on_demand"][i])
+    assert m.snapshot()["per_layer"]["misses"] == [4, 4]     # the raw counters are kept
