@@ -385,9 +385,15 @@ def sweep_context(model, base, context: int, batch: int, machine) -> dict:
     base_run, off_run = (run_one(model, bench_config(base, context, gen, batch, off), context,
                                  f"{'offload' if off else 'baseline'} b={batch}", machine)
                          for off in (False, True))
+    # The fetch stall: predicted from the step's measured missed bytes over the hardware
+    # profile's host link (no overlap: the on-demand bound; None on CPU, no link), beside
+    # the one seen (offload step - on-device step at the same batch).
+    predicted = off_run.get("roofline_link_s")
     return dict(context=context, batch=batch, roofline_s=base_run["roofline_s"],
                 roofline_bytes=base_run["roofline_bytes"],
                 offload_over_baseline=off_run["step_s_median"] / base_run["step_s_median"],
+                predicted_fetch_stall_s=predicted,
+                seen_fetch_stall_s=off_run["step_s_median"] - base_run["step_s_median"],
                 runs=[base_run, off_run])
 
 
@@ -418,8 +424,12 @@ def table(report: dict) -> str:
         lines.append(f"sweep at batch {report['sweep'][0]['batch']}, top-k "
                      f"{report['topk']}")
         for c in report["sweep"]:
+            pred = c.get("predicted_fetch_stall_s")
             lines.append(f"context {c['context']}: offload/baseline step time "
-                         f"{c['offload_over_baseline']:.3f}")
+                         f"{c['offload_over_baseline']:.3f}; fetch stall seen "
+                         f"{c['seen_fetch_stall_s'] * 1e3:.2f} ms, predicted (missed bytes / "
+                         "host link, no overlap) "
+                         + ("-" if pred is None else f"{pred * 1e3:.2f} ms"))
             lines.append(_HEAD)
             lines += [_run_line(r) for r in c["runs"]]
         return "\n".join(lines)
