@@ -103,6 +103,7 @@ def _plan(*args):
                           capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.e2e
 def test_plan_cli_prints_the_v4_plan():
     r = _plan("--config", "configs/deepseek_v4_pro.py", "--hardware", "h200")
     assert r.returncode == 0, r.stderr
