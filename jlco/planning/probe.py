@@ -152,6 +152,14 @@ def host_transfer(row_bytes: int, repeats: int = 8) -> dict:
     (`jlco.offload.schedule`); on XLA:CPU the "link" is a host memory copy."""
     if not isinstance(row_bytes, int) or row_bytes <= 0:
         raise ValueError(f"row_bytes={row_bytes!r} is invalid: allowed a positive integer")
+    # A thread of its own: the engine asks while building under `jax.set_mesh` (a
+    # thread-local context), and a one-device probe is not a computation of that mesh.
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(_host_transfer, row_bytes, repeats).result()
+
+
+def _host_transfer(row_bytes: int, repeats: int) -> dict:
     device = jax.devices()[0]
     small, big = 64, max(128, TRANSFER_BYTES // row_bytes)
     with jax.ensure_compile_time_eval():

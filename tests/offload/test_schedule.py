@@ -69,3 +69,20 @@ def test_auto_is_derived_from_the_probe_and_explicit_values_override():
     assert allocation._chunk_rows(cfg) == min(want, cfg.hot_buffer_rows)
     assert fetch_schedule.chunk_rows(cfg.replace(cache__fetch_chunk_rows=48)) == 48
     assert fetch_schedule.prefetch_depth(cfg.replace(cache__prefetch_depth=3), 4).depth == 3
+
+
+def test_the_probe_runs_under_a_mesh():
+    """The engine asks for the transfer probe while it builds under `jax.set_mesh`: on a
+    two-device mesh the one-device probe must still run (it failed with 'incompatible
+    devices' before it got a thread of its own)."""
+    import os
+    import subprocess
+    import sys
+    code = ("import jax\nfrom jlco.planning import probe\n"
+            "with jax.set_mesh(jax.make_mesh((2,), ('data',))):\n"
+            "    print(probe.host_transfer(64)['link_gbps'] > 0)\n")
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+           "JAX_PLATFORMS": "cpu"}
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0 and r.stdout.strip() == "True", r.stderr[-2000:]
