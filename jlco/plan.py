@@ -67,9 +67,7 @@ def _plan_v4(dep, f) -> str:
         if f[name].present:
             raise ValueError(f"--{name} with a deepseek_v4 deployment: not modelled (the "
                              "V4 plan has no transfer check yet)")
-    mesh = parse_mesh(f.mesh) if f.mesh else MeshShape(1, f.ep, 1)
-    if f.mesh and f["ep"].present:
-        raise ValueError(f"--ep={f.ep} with --mesh={f.mesh!r}: give the expert degree once")
+    mesh = choose_mesh(f.mesh, f.ep, f["ep"].present, None)   # a deployment has no mesh section
     p = v4.plan(dep, _hardware(f.hardware), mesh=mesh, context=f.context,
                 weight_format=fmt, devices_per_host=f.devices_per_host,
                 reserve_bytes=None if f.reserve_gb is None else f.reserve_gb * 1e9)
