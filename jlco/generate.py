@@ -7,10 +7,12 @@ longer than the model's index_topk, so the sparse attention selects and, offload
 really move host→device). All prompts are decoded together as one batch.
 
 Model: --checkpoint loads a Hugging Face directory or a jlco Orbax directory (from
-`python -m jlco.convert`). The compute dtype is --dtype when given, else the checkpoint's
-own (config.json `dtype` / `torch_dtype`; an Orbax checkpoint's converted dtype), else
-bfloat16; stderr says which and why. Without a checkpoint a small RANDOM-WEIGHT model is
-built and stderr says so: the --config's own model when its random weights are small,
+`python -m jlco.convert`); a HF deepseek_v4 directory runs DeepSeek-V4
+(`jlco.engine.v4_runner`: one device; offload, MTP drafts and the prefix cache off).
+The compute dtype is --dtype when given, else the checkpoint's own (config.json
+`dtype` / `torch_dtype`; an Orbax checkpoint's converted dtype), else bfloat16; stderr
+says which and why. Without a checkpoint a small RANDOM-WEIGHT model is built and stderr
+says so: the --config's own model when its random weights are small,
 else configs/tiny.py's model section with the config's engine context and cache settings.
 
 Engine: --config (default configs/tiny.py) gives the cache and engine sections. Without
@@ -370,6 +372,8 @@ def _prepare():
     over = dict(shape, cache__offload=offload, engine__num_draft_tokens=FLAGS.num_draft_tokens,
                 **({"engine__attention_impl": FLAGS.impl} if FLAGS.impl else {}),
                 **({} if FLAGS.mesh is None else parse_mesh(FLAGS.mesh)))
+    if choice.model.model_type == "deepseek_v4":
+        over["cache__prefix_cache"] = False   # V4's state is not paged (Config._check_v4)
     ranks = over.get("mesh__data", 1)      # data ranks split the slots evenly
     over["engine__max_batch_size"] = -(-over["engine__max_batch_size"] // ranks) * ranks
     checked = base.replace(model=choice.model, name=name, **over)   # before any weight

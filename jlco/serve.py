@@ -122,13 +122,16 @@ def prepare():
     if base.engine.max_context_len > mpe:
         raise ValueError(f"engine.max_context_len={base.engine.max_context_len} is invalid: "
                          f"allowed <= the model's max_position_embeddings ({mpe})")
-    cfg = base.replace(model=choice.model, name=base.name)   # validates the joint config
+    v4 = {"cache__prefix_cache": False} if choice.model.model_type == "deepseek_v4" else {}
+    cfg = base.replace(model=choice.model, name=base.name, **v4)   # validates the joint config
     return cfg, choice, FLAGS.served_model_name or name
 
 
 def memory_plan(cfg, weight_bytes: int) -> list[str]:
     """The banner's memory lines: device split, host pool, largest batch with and without
     offload at one device budget."""
+    if cfg.is_v4:
+        return v4_memory_plan(cfg, weight_bytes)
     import jax
 
     from jlco.engine.allocation import (batch_for_budget, device_cache_bytes,
@@ -173,6 +176,23 @@ def memory_plan(cfg, weight_bytes: int) -> list[str]:
     lines.append(f"memory: device budget {gb(budget)} ({why}): largest batch {b_off} with "
                  f"offload off, {b_on} with offload on (x{b_on / max(b_off, 1):.1f})")
     return lines
+
+
+def v4_memory_plan(cfg, weight_bytes: int) -> list[str]:
+    """The banner's memory lines for a deepseek_v4 model: weights and the batch state
+    (`jlco.model.deepseek_v4.state.state_bytes`, every slot at the full context)."""
+    from jlco.engine.v4_runner import state_len
+    from jlco.model.deepseek_v4.state import state_bytes
+    def mb(b: float) -> str:
+        return f"{b / 1e6:.3f} MB"
+    batch = cfg.engine.max_batch_size
+    parts = state_bytes(cfg.model, state_len(cfg))
+    state = batch * sum(parts.values())
+    each = ", ".join(f"{k} {mb(v)}" for k, v in parts.items())
+    return [f"memory: device {mb(weight_bytes + state)} = weights {mb(weight_bytes)} + state "
+            f"{mb(state)} (batch {batch}, context {cfg.engine.max_context_len}; per request: "
+            f"{each}); deepseek_v4: offload, MTP, the prefix cache and a mesh are not "
+            "implemented yet"]
 
 
 def build_engine(cfg, choice, state, job=None) -> None:

@@ -14,7 +14,7 @@ from typing import Any
 @dataclasses.dataclass
 class ModelChoice:
     """The model config to run (weights not loaded yet) and what stderr should say."""
-    model: Any                  # jlco.config.ModelConfig
+    model: Any                  # jlco.config.ModelConfig, or a V4Config (deepseek_v4)
     banner: str
     tokenizer_path: pathlib.Path | None = None
     own_model: bool = True      # False: the config's model was replaced by tiny's shape
@@ -32,6 +32,14 @@ def checkpoint_choice(path: str, dtype: str | None) -> ModelChoice:
     )
     kind = checkpoint_kind(path)
     saved, where = checkpoint_dtype(path)
+    if kind == "hf" and is_v4_checkpoint(path):
+        from jlco.checkpoint.deepseek_v4 import read_v4_config
+        dtype, why = ((dtype, "--dtype") if dtype else
+                      (saved, f"from {where}") if saved else ("bfloat16", f"{where}: default"))
+        mcfg = read_v4_config(path, dtype=dtype)
+        tok = pathlib.Path(path) / "tokenizer.json"
+        return ModelChoice(mcfg, f"checkpoint {path} (HF, deepseek_v4): dtype {mcfg.dtype} "
+                                 f"({why})", tok if tok.is_file() else None, checkpoint=path)
     if kind == "orbax":
         if dtype and dtype != saved:
             raise ValueError(f"--dtype={dtype} is invalid for {path!r}: the Orbax checkpoint "
@@ -48,6 +56,16 @@ def checkpoint_choice(path: str, dtype: str | None) -> ModelChoice:
                        checkpoint=path)
 
 
+def is_v4_checkpoint(path) -> bool:
+    """Whether a HF checkpoint's config.json names model_type deepseek_v4."""
+    import json
+    try:
+        d = json.loads((pathlib.Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False          # the MLA reader reports what is wrong with it
+    return isinstance(d, dict) and d.get("model_type") == "deepseek_v4"
+
+
 def load_weights(choice: ModelChoice, *, seed: int = 0, verify: bool = True,
                  num_draft_tokens: int = 0, shardings=None):
     """(model config, model): the checkpoint's weights, or random ones (seeded).
@@ -55,6 +73,15 @@ def load_weights(choice: ModelChoice, *, seed: int = 0, verify: bool = True,
     if choice.checkpoint is None:
         from jlco.checkpoint.random_store import random_model
         return choice.model, random_model(choice.model, seed)
+    if choice.model.model_type == "deepseek_v4":
+        from jlco.checkpoint.deepseek_v4 import load_v4
+        if shardings is not None:
+            raise ValueError("a deepseek_v4 checkpoint loads on one device (mesh 1x1x1): "
+                             "placing it on a mesh is not implemented yet")
+        if num_draft_tokens:
+            raise ValueError(f"--num_draft_tokens={num_draft_tokens}: MTP is not implemented "
+                             "for deepseek_v4 (its mtp.* tensors are not loaded)")
+        return load_v4(choice.checkpoint, dtype=choice.model.dtype)
     from jlco.checkpoint.load import load_model
     path = choice.checkpoint
     mcfg, model, info = load_model(path, {"dtype": choice.model.dtype}, verify=verify,

@@ -39,8 +39,11 @@ class Engine(PrefillTransfer):
                  trace_path: str | None = None, warmup_queries: int = WARMUP_QUERIES,
                  drafter=None):
         self.cfg = cfg
-        self.runner = ModelRunner(cfg, model, impl=impl, trace_path=trace_path,
-                                  warmup_queries=warmup_queries, drafter=drafter)
+        if cfg.is_v4:
+            self.runner = v4_runner(cfg, model, trace_path=trace_path, drafter=drafter)
+        else:
+            self.runner = ModelRunner(cfg, model, impl=impl, trace_path=trace_path,
+                                      warmup_queries=warmup_queries, drafter=drafter)
         sv = cfg.serve
         self.scheduler = Scheduler(
             cfg.engine.max_batch_size, cfg.engine.max_context_len, cfg.model.vocab_size,
@@ -228,6 +231,19 @@ class Engine(PrefillTransfer):
 
     def close(self) -> None:
         self.runner.close()
+
+
+def v4_runner(cfg: Config, model, *, trace_path, drafter):
+    """The runner of a deepseek_v4 model (`jlco.engine.v4_runner.V4Runner`); what it does
+    not run yet is refused naming the argument."""
+    from jlco.engine.v4_runner import V4Runner
+    if trace_path is not None:
+        raise ValueError(f"trace_path={trace_path!r}: top-k traces record the MLA indexer; "
+                         "allowed None with a deepseek_v4 model")
+    if drafter is not None:
+        raise ValueError("drafter: speculative decoding is not implemented for deepseek_v4 "
+                         "(allowed None)")
+    return V4Runner(cfg, model)
 
 
 def emit_tokens(append, decoding, out) -> None:

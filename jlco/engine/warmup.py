@@ -139,7 +139,8 @@ def warm_up(engine, progress=None, longest: int = 48) -> dict:
     {"prefill_shapes", "decode_shapes", "seconds"}. The engine is left as it was (no
     request, no pages, an empty prefix cache with zeroed counters)."""
     t0 = time.perf_counter()
-    done = compile_all(engine.runner, progress)
+    own = getattr(engine.runner, "compile_all", None)   # a runner with its own shapes (V4)
+    done = own(progress) if own is not None else compile_all(engine.runner, progress)
     cfg = engine.cfg
     for prompt in warmup_prompts(cfg, cfg.engine.max_context_len - 2, longest):
         engine.generate([prompt], 2)

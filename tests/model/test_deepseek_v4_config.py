@@ -91,14 +91,15 @@ def test_modelconfig_refuses_deepseek_v4():
 
 
 def test_engine_load_refuses_deepseek_v4(tmp_path):
-    """jlco.generate / jlco.serve load through load_model: refused, naming why."""
+    """The MLA loader (load_model) refuses a deepseek_v4 checkpoint, naming the reader
+    that takes it (jlco.generate / jlco.serve route it there: tests/engine/test_v4_engine.py)."""
     import json
 
     from jlco.checkpoint.load import load_model
     from jlco.checkpoint.safetensors_io import CheckpointError
     (tmp_path / "config.json").write_text(json.dumps(_saved()))
     (tmp_path / "model.safetensors").write_bytes(b"")
-    with pytest.raises(CheckpointError, match="deepseek_v4.*not wired into the engine"):
+    with pytest.raises(CheckpointError, match="deepseek_v4.*V4Config.*read_v4_config"):
         load_model(tmp_path)
 
 

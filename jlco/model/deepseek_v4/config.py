@@ -20,6 +20,7 @@ from typing import Any, Mapping
 from jlco.config import (
     DTYPES,
     ConfigError,
+    ModelArchitecture,
     RopeScaling,
     _check,
     _check_types,
@@ -39,7 +40,7 @@ _RATIO_LABELS = {0: SLIDING, 4: CSA, 128: HCA}
 
 
 @dataclasses.dataclass(frozen=True)
-class V4Config:
+class V4Config(ModelArchitecture):
     """Architecture of a DeepSeek-V4 model. Defaults: transformers' DeepseekV4Config
     defaults (documented as DeepSeek-V4-Flash-Base's)."""
     vocab_size: int = 129280

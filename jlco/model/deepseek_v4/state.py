@@ -54,10 +54,14 @@ def init_state(cfg: V4Config, batch: int, max_len: int) -> dict:
     return {"pos": jnp.zeros((batch,), jnp.int32), "layers": layers}
 
 
-def _comp_chunk(c: Compressor, st: dict, x: jax.Array, p0: jax.Array) -> dict:
+def _comp_chunk(c: Compressor, st: dict, x: jax.Array, p0: jax.Array, n=None) -> dict:
     """Add tokens p0 … p0+s−1 (x [b, s, d]) to a compressor: laid after the open
-    window's r = p0 % m buffered tokens, every window they complete becomes an entry."""
+    window's r = p0 % m buffered tokens, every window they complete becomes an entry.
+    n [b] (None: s): a row's real tokens, the first n; the rest (padding) complete no
+    window and leave no entry (their buffer slots are rewritten before a window uses
+    them)."""
     b, s, _ = x.shape
+    n = jnp.full((b,), s, jnp.int32) if n is None else n
     m, w = c.rate, c.width
     rows = jnp.arange(b)[:, None]
     kv, gate = c.project(x, p0[:, None] + jnp.arange(s))
@@ -77,11 +81,11 @@ def _comp_chunk(c: Compressor, st: dict, x: jax.Array, p0: jax.Array) -> dict:
         pool_kv, pool_gate = ext_kv, ext_gate
     first = (p0 - r)[:, None] + jnp.arange(nw) * m
     entries = c.pool(pool_kv, pool_gate, first)                      # [b, nw, c]
-    done = (jnp.arange(nw)[None, :] + 1) * m <= (r + s)[:, None]
+    done = (jnp.arange(nw)[None, :] + 1) * m <= (r + n)[:, None]
     cap = st["entries"].shape[1]
     idx = jnp.where(done, first // m, cap)                           # cap: dropped
     out = dict(st, entries=st["entries"].at[rows, idx].set(entries, mode="drop"))
-    k = (r + s) // m                                                 # windows completed
+    k = (r + n) // m                                                 # windows completed
     out["buf_kv"], out["buf_gate"] = ext_kv[rows[:, 0], k], ext_gate[rows[:, 0], k]
     if c.overlap:
         last = jnp.maximum(k - 1, 0)
@@ -103,24 +107,37 @@ def _window_parts(window: jax.Array, kv: jax.Array, p0: jax.Array, w: int):
     return [(window, ring_ok), (kv, jnp.broadcast_to(band, (kv.shape[0], s, s)))]
 
 
-def attention_chunk(attn: V4Attention, st: dict, x: jax.Array, p0: jax.Array):
-    """x [b, s, d] at positions p0 … p0+s−1 → (out [b, s, d], state)."""
+def _window_write(window: jax.Array, kv: jax.Array, t: jax.Array, n):
+    """The ring after the chunk's keys kv [b, s, D] at positions t [b, s]: the last W
+    of them (n [b]: only a row's first n are real; None: all)."""
+    b, s = t.shape
+    w, rows = window.shape[1], jnp.arange(b)[:, None]
+    if n is None:
+        keep = jnp.arange(max(s - w, 0), s)                           # distinct slots
+        return window.at[rows, t[:, keep] % w].set(kv[:, keep])
+    j = jnp.arange(s)[None, :]
+    real = (j < n[:, None]) & (j >= n[:, None] - w)                   # distinct slots
+    return window.at[rows, jnp.where(real, t % w, w)].set(kv, mode="drop")
+
+
+def attention_chunk(attn: V4Attention, st: dict, x: jax.Array, p0: jax.Array, n=None):
+    """x [b, s, d] at positions p0 … p0+s−1 → (out [b, s, d], state); n [b] (None: s):
+    a row's real tokens, the first n (the rest leave the state as it was)."""
     cfg = attn.cfg
     b, s, _ = x.shape
     w, rows = cfg.sliding_window, jnp.arange(b)[:, None]
     t = p0[:, None] + jnp.arange(s)
     q, kv, qr, (cos, sin) = attn.project(x, t)
     parts = _window_parts(st["window"], kv, p0, w)
-    keep = jnp.arange(max(s - w, 0), s)                               # distinct slots
-    st = dict(st, window=st["window"].at[rows, t[:, keep] % w].set(kv[:, keep]))
+    st = dict(st, window=_window_write(st["window"], kv, t, n))
     if attn.compressor is not None:
-        st["comp"] = comp = _comp_chunk(attn.compressor, st["comp"], x, p0)
+        st["comp"] = comp = _comp_chunk(attn.compressor, st["comp"], x, p0, n)
         cap = comp["entries"].shape[1]
         visible = jnp.arange(cap) < ((t + 1) // attn.compressor.rate)[..., None]
         if attn.indexer is None:
             parts.append((comp["entries"], visible))
         else:
-            st["index"] = index = _comp_chunk(attn.indexer.compressor, st["index"], x, p0)
+            st["index"] = index = _comp_chunk(attn.indexer.compressor, st["index"], x, p0, n)
             iq, iw = attn.indexer.queries(x, qr, cos, sin)
             ids, ok = topk_picks(attn.indexer.scores(iq, iw, index["entries"]), visible,
                                  min(cfg.index_topk, cap))
@@ -140,28 +157,35 @@ def gather_picks(s: int, k: int, d: int, heads: int, entries: int) -> bool:
     return s == 1 or k * d <= heads * entries
 
 
-def layer_chunk(layer: V4DecoderLayer, st: dict, streams, tokens, p0):
+def layer_chunk(layer: V4DecoderLayer, st: dict, streams, tokens, p0, n=None):
     post, comb, x = layer.attn_input(streams)
-    a, st = attention_chunk(layer.attn, st, x, p0)
+    a, st = attention_chunk(layer.attn, st, x, p0, n)
     streams = hc_merge(streams, a, post, comb)
     return layer.ffn_block(streams, tokens), st
 
 
-def forward_chunk(model: DeepseekV4, state: dict, tokens: jax.Array):
+def forward_chunk(model: DeepseekV4, state: dict, tokens: jax.Array, valid=None):
     """tokens [b, s] at positions pos … pos+s−1 of each request → (logits [b, s, V]
     f32, state). pos + s must stay within `capacity` (checked here when pos is
-    concrete; a jitted caller checks it on the host)."""
+    concrete; a jitted caller checks it on the host). valid int [b] (None: s): only a
+    row's first `valid` tokens are real: the state takes those alone (pos advances by
+    valid; with 0 nothing a later token reads changes), so a piece padded to a fixed
+    width, or an idle batch slot, leaves no trace; the padding's logits are
+    meaningless. A real query never sees a pad key (the pads come after it)."""
     p0 = state["pos"]
-    if not isinstance(p0, jax.core.Tracer):
+    if not isinstance(p0, jax.core.Tracer) and not isinstance(valid, jax.core.Tracer):
         room = capacity(model.cfg, state)
-        if int(jnp.max(p0)) + tokens.shape[1] > room:
-            raise ValueError(f"{tokens.shape[1]} more token(s) after {int(jnp.max(p0))} exceed "
+        more = tokens.shape[1] if valid is None else int(jnp.max(jnp.asarray(valid)))
+        if int(jnp.max(p0)) + more > room:
+            raise ValueError(f"{more} more token(s) after {int(jnp.max(p0))} exceed "
                              f"the state's room of {room} tokens (init_state max_len)")
     streams, layers = model.streams(tokens), []
+    n = None if valid is None else jnp.asarray(valid, jnp.int32)
     for layer, st in zip(model.layers, state["layers"]):
-        streams, st = layer_chunk(layer, st, streams, tokens, p0)
+        streams, st = layer_chunk(layer, st, streams, tokens, p0, n)
         layers.append(st)
-    return model.logits(streams), {"pos": p0 + tokens.shape[1], "layers": layers}
+    grown = tokens.shape[1] if n is None else n
+    return model.logits(streams), {"pos": p0 + grown, "layers": layers}
 
 
 def capacity(cfg: V4Config, state: dict) -> int:

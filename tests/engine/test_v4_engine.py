@@ -1,0 +1,300 @@
+"""DeepSeek-V4 through the engine (`jlco.engine.v4_runner.V4Runner`), against
+transformers' DeepseekV4ForCausalLM, f32, tiny (`jlco.checkpoint.hf_reference`: window
+8, CSA rate 4 with index_topk 3, HCA rate 8; prompts longer than the window and than
+index_topk entries, so CSA's selection matters).
+
+Default tier: what Config refuses for V4 and the prefill piece plan (no compile). Slow:
+the engine (continuous batching, requests arriving at different steps, a request waiting
+for a slot) against transformers' greedy `generate` (tokens equal, log-probs within
+1e-4), async scheduling on and off, sampling fields, prompt log-probs, the pad of a
+piece and an idle slot leaving no trace, and the server app in-process. e2e: the
+`jlco.generate` CLI on the saved checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from jlco.config import CacheConfig, Config, ConfigError, EngineConfig, MeshConfig
+from jlco.engine.v4_runner import state_len, v4_pieces
+from jlco.model.deepseek_v4.config import V4Config
+
+ENGINE = dict(max_batch_size=3, max_context_len=64, prefill_chunk=16)
+# (prompt length, max_new_tokens, the engine step it arrives at)
+WORKLOAD = [(37, 12, 0), (14, 6, 0), (29, 10, 3), (20, 8, 3)]
+
+
+def _v4_config(**engine) -> Config:
+    return Config(model=V4Config(), cache=CacheConfig(prefix_cache=False),
+                  engine=EngineConfig(**engine))
+
+
+# ----------------------------------------------------------------------------- default tier
+
+
+@pytest.mark.parametrize("change, field", [
+    (dict(cache__offload=True), "cache.offload"),
+    (dict(cache__prefix_cache=True), "cache.prefix_cache"),
+    (dict(engine__num_draft_tokens=1), "engine.num_draft_tokens"),
+    (dict(mesh=MeshConfig(expert=2)), "mesh"),
+    (dict(engine__attention_impl="pallas"), "engine.attention_impl"),
+])
+def test_config_refuses_what_v4_does_not_run(change, field):
+    base = _v4_config()
+    assert base.is_v4 and not Config().is_v4
+    with pytest.raises(ConfigError, match=f"^{field}=.*deepseek_v4"):
+        base.replace(**change)
+
+
+def test_pieces_tile_the_prompt_in_few_widths():
+    widths = set()
+    for n in range(1, 100):
+        pieces = v4_pieces(n, 32)
+        assert [lo for lo, _, _ in pieces] == list(range(0, n, 32))
+        assert pieces[-1][1] == n and all(hi - lo <= w for lo, hi, w in pieces)
+        widths |= {w for _, _, w in pieces}
+    assert widths == {16, 32}
+    assert v4_pieces(5, 512) == [(0, 5, 16)] and v4_pieces(300, 512) == [(0, 300, 512)]
+    cfg = _v4_config(max_context_len=100)
+    assert state_len(cfg) == 128 >= cfg.engine.max_context_len   # a whole HCA window
+
+
+# ----------------------------------------------------------------------------- slow: engine
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    from jlco.checkpoint.hf_reference import build_hf_v4_model
+    model = build_hf_v4_model()
+    path = tmp_path_factory.mktemp("v4e") / "ckpt"
+    model.save_pretrained(path)
+    return model, path
+
+
+@pytest.fixture(scope="module")
+def loaded(reference):
+    from jlco.checkpoint.deepseek_v4 import load_v4
+    return load_v4(reference[1], dtype="float32")
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    return np.random.default_rng(seed).integers(0, 64, n).tolist()
+
+
+def _hf_greedy(model, prompt, steps):
+    import torch
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=steps, do_sample=False,
+                             output_scores=True, return_dict_in_generate=True)
+    toks = out.sequences[0, len(prompt):].tolist()
+    lps = [float(torch.log_softmax(s[0].float(), -1)[t]) for s, t in zip(out.scores, toks)]
+    return toks, lps
+
+
+def _hf_logprobs(model, ids):
+    """log_softmax of transformers' logits over `ids` [n] → [n, V]."""
+    import torch
+    with torch.no_grad():
+        return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1).numpy()
+
+
+def _engine(loaded, **changes):
+    from jlco.engine.core import Engine
+    cfg = Config(model=loaded[0], cache=CacheConfig(prefix_cache=False),
+                 engine=EngineConfig(**ENGINE)).replace(**changes)
+    return Engine(cfg, loaded[1])
+
+
+def _run_workload(engine, **fields):
+    """WORKLOAD through `engine`: requests arriving at their steps (more than there are
+    slots: the last waits for one) → the requests."""
+    reqs, step = [None] * len(WORKLOAD), 0
+    while step == 0 or engine.has_work or None in reqs:
+        for i, (n, new, at) in enumerate(WORKLOAD):
+            if at == step:
+                reqs[i] = engine.submit(_prompt(n, i), new, **fields)
+        engine.step()
+        step += 1
+    engine.check_no_leaks()
+    return reqs
+
+
+@pytest.fixture(scope="module")
+def greedy_run(loaded):
+    engine = _engine(loaded)
+    seen = []
+    engine.add_step_observer(lambda rec: seen.append(len(rec.running)))
+    out = _run_workload(engine, top_logprobs=2)
+    assert max(seen) == 3      # the slots were shared: three requests decoded together
+    return engine, out
+
+
+@pytest.mark.slow
+def test_continuous_batch_matches_transformers_greedy(reference, greedy_run):
+    """Four requests (37, 14, 29, 20 tokens) arriving at steps 0 and 3 into three slots:
+    every one's tokens are transformers' greedy `generate` tokens, log-probs within 1e-4,
+    and its alternatives start with the token itself."""
+    engine, reqs = greedy_run
+    assert engine.step_kind.follow and engine.runner.metrics is None
+    for i, (r, (n, new, _)) in enumerate(zip(reqs, WORKLOAD)):
+        want, want_lp = _hf_greedy(reference[0], _prompt(n, i), new)
+        assert list(r.tokens) == want, i
+        assert np.abs(np.asarray(r.logprobs) - want_lp).max() <= 1e-4, i
+        assert [top[0][0] for top in r.top_out] == want
+        assert r.finish_reason == "length"
+
+
+@pytest.mark.slow
+def test_async_scheduling_on_and_off_equal(loaded, greedy_run):
+    _, on = greedy_run
+    off_engine = _engine(loaded, engine__async_scheduling=False)
+    assert not off_engine.step_kind.follow
+    off = _run_workload(off_engine, top_logprobs=2)
+    for a, b in zip(on, off):
+        assert list(a.tokens) == list(b.tokens) and list(a.logprobs) == list(b.logprobs)
+
+
+@pytest.mark.slow
+def test_sampling_fields_alone_equal_batched(reference, loaded):
+    """temperature / top_p / top_k / seed through the MLA engine's sampling: a sampled
+    request's tokens are the same alone and in a batch, and each token's log-prob is
+    transformers' over the sequence it sampled."""
+    fields = dict(temperature=0.9, top_p=0.95, top_k=20, seed=11)
+    prompt = _prompt(26, 9)
+    alone = _engine(loaded).generate([prompt], 9, **fields)[0]
+    engine = _engine(loaded)
+    other = engine.submit(_prompt(33, 10), 7)
+    batched = engine.submit(prompt, 9, **fields)
+    engine.run()
+    assert list(alone.tokens) == list(batched.tokens) and other.tokens
+    lp = _hf_logprobs(reference[0], prompt + list(alone.tokens)[:-1])
+    want = [lp[len(prompt) - 1 + j, t] for j, t in enumerate(alone.tokens)]
+    assert np.abs(np.asarray(alone.logprobs) - want).max() <= 1e-4
+    greedy = _engine(loaded).generate([prompt], 9)[0]
+    assert list(greedy.tokens) != list(alone.tokens)   # the fields were not ignored
+
+
+@pytest.mark.slow
+def test_prompt_logprobs_match_transformers(reference, greedy_run):
+    """A request echoing its prompt (prompt_logprobs=1, 37 tokens: three pieces, the last
+    padded): each position's log-prob is transformers'."""
+    engine, _ = greedy_run
+    prompt = _prompt(37, 0)
+    r = engine.generate([prompt], 1, prompt_logprobs=1)[0]
+    lp = _hf_logprobs(reference[0], prompt)
+    want = [lp[q - 1, prompt[q]] for q in range(1, len(prompt))]
+    got = [x for x, _ in r.prompt_logprob_out]
+    assert len(got) == len(want) and np.abs(np.asarray(got) - want).max() <= 1e-4
+
+
+@pytest.mark.slow
+def test_pad_and_idle_slots_leave_no_trace(loaded):
+    """forward_chunk(valid=...): 13 real tokens padded to 16 with different junk leave
+    the same state bit for bit (pos, window, entries, overlap carry; the open windows'
+    buffers up to their real tokens), within f32 rounding of the unpadded piece's (a
+    13-wide matmul rounds differently); a row with valid 0 keeps its state."""
+    from flax import nnx
+
+    from jlco.model.deepseek_v4 import state as v4_state
+    jm = loaded[1]
+    step = nnx.jit(v4_state.forward_chunk)
+    toks = np.asarray([_prompt(13, 3)], np.int32)
+
+    def run(tokens, valid=None):
+        return step(jm, v4_state.init_state(jm.cfg, 1, 32), tokens, valid)[1]
+
+    exact = run(toks)
+    pads = [run(np.concatenate([toks, np.full((1, 3), j, np.int32)], axis=1),
+                np.asarray([13])) for j in (7, 50)]
+    assert [int(p["pos"][0]) for p in pads] == [13, 13]
+    for a, b, c, kind in zip(exact["layers"], pads[0]["layers"], pads[1]["layers"],
+                             jm.cfg.layer_types):
+        for name, x, y, z in _parts(a, b, c, 13 % (8 if kind.startswith("heavily") else 4)):
+            np.testing.assert_array_equal(y, z, err_msg=f"{kind} {name}")
+            np.testing.assert_allclose(y, x, atol=1e-5, err_msg=f"{kind} {name}")
+    _, idle = step(jm, pads[0], np.asarray([[5]], np.int32), np.asarray([0]))
+    assert int(idle["pos"][0]) == 13
+    for a, b, kind in zip(pads[0]["layers"], idle["layers"], jm.cfg.layer_types):
+        for name, x, y in _parts(a, b, 13 % (8 if kind.startswith("heavily") else 4)):
+            np.testing.assert_array_equal(x, y, err_msg=f"idle: {kind} {name}")
+
+
+def _parts(*layers_and_real):
+    """(name, leaf of each layer state) of one layer's window, entries and carries; the
+    open window's buffers cut to its `real` buffered tokens (later slots are rewritten
+    before a window completes)."""
+    *layers, real = layers_and_real
+    yield ("window", *(lay["window"] for lay in layers))
+    for part in ("comp", "index"):
+        for name in layers[0].get(part, {}):
+            leaves = [lay[part][name] for lay in layers]
+            if name.startswith("buf"):
+                leaves = [x[:, :real] for x in leaves]
+            yield (f"{part}.{name}", *leaves)
+
+
+# ----------------------------------------------------------------------------- slow: server
+
+
+@pytest.mark.slow
+def test_served_completions_equal_the_engine(loaded, greedy_run):
+    """jlco.serve's app in-process over a V4 engine: /v1/completions with a token-id
+    prompt answers the engine's greedy tokens, whole and streamed."""
+    from starlette.testclient import TestClient
+
+    from jlco.server.app import ServerState, create_app
+    from jlco.server.loop import EngineLoop
+    _, reqs = greedy_run
+    engine = _engine(loaded)
+    state = ServerState(model_name="v4", max_context_len=engine.cfg.engine.max_context_len,
+                        index_topk=engine.cfg.model.index_topk, engine=engine)
+    app = create_app(state)
+    loop = EngineLoop(engine, max_waiting=8, import_ttl_s=60.0,
+                      on_step=app.state.metrics.observe_step)
+    loop.start()
+    state.loop = loop
+    body = dict(model="v4", prompt=_prompt(37, 0), max_tokens=12, temperature=0,
+                return_token_ids=True)
+    try:
+        with TestClient(app, base_url="http://testserver") as client:
+            whole = client.post("/v1/completions", json=body)
+            assert whole.status_code == 200, whole.text
+            got = whole.json()["choices"][0]["token_ids"]
+            with client.stream("POST", "/v1/completions", json=dict(body, stream=True)) as s:
+                lines = [ln[6:] for ln in s.iter_lines() if ln.startswith("data: ")]
+    finally:
+        loop.drain(1.0)
+        engine.close()
+    assert got == list(reqs[0].tokens)
+    chunks = [json.loads(ln) for ln in lines if ln != "[DONE]"]
+    streamed = [t for c in chunks for ch in c["choices"] for t in ch.get("token_ids") or []]
+    assert streamed == got
+
+
+# ----------------------------------------------------------------------------- e2e: CLI
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_generate_cli_on_the_checkpoint(reference, tmp_path):
+    """`python -m jlco.generate --checkpoint DIR --prompts_file F --json` on the saved
+    deepseek_v4 checkpoint: transformers' greedy tokens for each prompt."""
+    prompts = [_prompt(37, 0), _prompt(14, 1)]
+    f = tmp_path / "prompts.jsonl"
+    f.write_text("".join(json.dumps(p) + "\n" for p in prompts))
+    out = subprocess.run([sys.executable, "-m", "jlco.generate", "--checkpoint",
+                          str(reference[1]), "--prompts_file", str(f), "--json",
+                          "--max_new_tokens", "8", "--dtype", "float32"],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    for p, r in zip(prompts, doc["results"]):
+        want, want_lp = _hf_greedy(reference[0], p, 8)
+        assert r["tokens"] == want
+        assert np.abs(np.asarray(r["logprobs"]) - want_lp).max() <= 1e-4
+    assert "deepseek_v4" in out.stderr
