@@ -64,6 +64,28 @@ def test_pieces_tile_the_prompt_in_few_widths():
     assert state_len(cfg) == 128 >= cfg.engine.max_context_len   # a whole HCA window
 
 
+def test_a_v4_checkpoint_is_chosen_and_sized_as_generate_does(tmp_path):
+    """jlco.generate / jlco.serve's model choice reads a deepseek_v4 config.json as a
+    V4Config (dtype from --dtype, else the checkpoint's), and the engine config built
+    from it (prefix cache off) is a V4 one; the MLA loader still refuses it."""
+    from transformers import DeepseekV4Config
+
+    from jlco.checkpoint.choice import checkpoint_choice, is_v4_checkpoint
+    from jlco.checkpoint.hf_reference import V4_TINY
+    (tmp_path / "config.json").write_text(json.dumps(
+        dict(DeepseekV4Config(**V4_TINY).to_dict(), dtype="bfloat16")))
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    assert is_v4_checkpoint(tmp_path) and not is_v4_checkpoint(tmp_path / "none")
+    choice = checkpoint_choice(str(tmp_path), None)
+    assert isinstance(choice.model, V4Config) and choice.model.dtype == "bfloat16"
+    assert "deepseek_v4" in choice.banner
+    assert checkpoint_choice(str(tmp_path), "float32").model.dtype == "float32"
+    cfg = Config().replace(model=choice.model, cache__prefix_cache=False)
+    assert cfg.is_v4 and cfg.model.vocab_size == V4_TINY["vocab_size"]
+    with pytest.raises(ConfigError, match="cache.prefix_cache"):
+        Config().replace(model=choice.model)
+
+
 # ----------------------------------------------------------------------------- slow: engine
 
 
@@ -236,6 +258,20 @@ def _parts(*layers_and_real):
             if name.startswith("buf"):
                 leaves = [x[:, :real] for x in leaves]
             yield (f"{part}.{name}", *leaves)
+
+
+@pytest.mark.slow
+def test_engine_refuses_what_v4_does_not_run(loaded):
+    from jlco.engine.core import Engine
+    cfg = Config(model=loaded[0], cache=CacheConfig(prefix_cache=False),
+                 engine=EngineConfig(**ENGINE))
+    with pytest.raises(ValueError, match="trace_path"):
+        Engine(cfg, loaded[1], trace_path="/tmp/x")
+    engine = Engine(cfg, loaded[1])
+    with pytest.raises(NotImplementedError, match="deepseek_v4 prefill"):
+        engine.export_prefill(_prompt(9, 0), 4)
+    assert engine.prefix_stats() is None and engine.metrics is None
+    assert engine.spec_metrics is None and not engine.has_work
 
 
 # ----------------------------------------------------------------------------- slow: server
