@@ -728,11 +728,19 @@ class Config:
 
     def _check_v4(self) -> None:
         """The knobs the V4 engine does not run yet, refused naming the field and why.
-        Not consulted with V4: the MLA cache's layout knobs (kv_format, page_size,
-        hot-buffer and fetch knobs, indexer_key_format) and engine.cpu_matmul."""
+        Offload moves the CSA entries (hot_buffer_rows, eviction and storage apply to
+        them). Not consulted with V4: kv_format, page_size, fetch_chunk_rows,
+        indexer_key_format and engine.cpu_matmul."""
         c, e, why = self.cache, self.engine, "is not implemented for deepseek_v4 yet"
-        _check(not c.offload, "cache.offload", c.offload, "False with a deepseek_v4 model "
-               f"(offloading the CSA entries to host memory {why})")
+        if c.offload:
+            _check(c.storage != "file" and c.fetch_path != "host_driven", "cache.fetch_path",
+                   (c.fetch_path, c.storage), "'auto' or 'in_jit' with storage 'pinned_host' "
+                   f"or 'unpinned_host' for a deepseek_v4 model (its entries are fetched in "
+                   f"the jitted step; the host-driven path {why})")
+            _check(not c.hot_buffer_rows or c.hot_buffer_rows >= self.min_hot_buffer_rows,
+                   "cache.hot_buffer_rows", c.hot_buffer_rows, f">= index_topk = "
+                   f"{self.min_hot_buffer_rows} (or 0 for that minimum): a deepseek_v4 "
+                   "step's CSA picks must all be resident at once")
         _check(not c.prefix_cache, "cache.prefix_cache", c.prefix_cache, "False with a "
                "deepseek_v4 model (its per-request state, a sliding window and compressor "
                "buffers, is not paged, so no prefix is shared; jlco.generate and jlco.serve "

@@ -189,10 +189,14 @@ def v4_memory_plan(cfg, weight_bytes: int) -> list[str]:
     parts = state_bytes(cfg.model, state_len(cfg))
     state = batch * sum(parts.values())
     each = ", ".join(f"{k} {mb(v)}" for k, v in parts.items())
-    return [f"memory: device {mb(weight_bytes + state)} = weights {mb(weight_bytes)} + state "
-            f"{mb(state)} (batch {batch}, context {cfg.engine.max_context_len}; per request: "
-            f"{each}); deepseek_v4: offload, MTP, the prefix cache and a mesh are not "
-            "implemented yet"]
+    lines = [f"memory: state {mb(state)} + weights {mb(weight_bytes)} (batch {batch}, "
+             f"context {cfg.engine.max_context_len}; per request: {each}); deepseek_v4: MTP, "
+             "the prefix cache and a mesh are not implemented yet"]
+    if cfg.cache.offload:
+        lines.append(f"memory: csa_entries ({mb(batch * parts['csa_entries'])}) in "
+                     f"{cfg.cache.storage} host memory, {cfg.hot_buffer_rows} hot rows per "
+                     "request and CSA layer on device")
+    return lines
 
 
 def build_engine(cfg, choice, state, job=None) -> None:

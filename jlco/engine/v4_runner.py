@@ -20,8 +20,12 @@ slots' penalty tables, `penalize.count`). Async scheduling is the MLA engine's: 
 queued behind the one in flight takes its requests' tokens, limits and PRNG counts from
 that step's outputs on the device (`jlco.engine.decode.follow_inputs`).
 
-Not run here yet, refused by `Config` (offload, MTP drafts, a mesh, the prefix cache)
-or here (PD export / import, top-k traces).
+With `cache.offload` the CSA layers' compressed entries live in host pools behind device
+hot buffers (`jlco.model.deepseek_v4.offload`: misses fetched inside the jitted step,
+offload on equals off bit for bit); the prefill still runs on device.
+
+Not run here yet, refused by `Config` (MTP drafts, a mesh, the prefix cache, the
+host-driven fetch path) or here (PD export / import, top-k traces).
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from jlco.engine import prefill as engine_prefill
 from jlco.engine.decode import PendingDecode, StepKind, StepRecord, follow_inputs
 from jlco.engine.inputs import DecodeOutput, StepInputs, alternatives
 from jlco.engine.scheduler import Request
+from jlco.model.deepseek_v4 import offload as v4_offload
 from jlco.model.deepseek_v4 import state as v4_state
 from jlco.parallel import mesh as parallel_mesh
 from jlco.sampling import penalize
@@ -85,6 +90,10 @@ def _decode(graphdef, params, state, seen, inputs: StepInputs):
 
 def _install(state, seen, one, slot, row):
     return v4_state.install(state, slot, one), penalize.seat(seen, slot, row)
+
+
+def _install_offloaded(state, seen, one, slot, row):
+    return v4_offload.install(state, slot, one), penalize.seat(seen, slot, row)
 
 
 # Module-level, so engines built alike (tests, a server's warm-up) share compiled programs.
@@ -213,7 +222,7 @@ class V4Stepper:
 class V4Runner:
     """The device side of the engine for a deepseek_v4 model (see the module docstring)."""
 
-    metrics = None        # offload counters: offload is off
+    metrics = None        # the MLA offload counters (V4's: entry_stats)
     pages = None          # no host pages
     trace = None          # no top-k traces
     prefix = None         # no prefix cache
@@ -233,6 +242,27 @@ class V4Runner:
         self.stepper = V4Stepper(cfg, self.graphdef, self.params, self.slot_len)
         self._piece, self._install = _jit_piece, _jit_install
         self.piece_observers: list = []   # fn(job, start time) after each prefill piece
+        self.offload = cfg.cache.offload
+        if self.offload:
+            self._offload()
+
+    def _offload(self) -> None:
+        """CSA entries to host pools behind hot buffers (`jlco.model.deepseek_v4.offload`);
+        the steps that carry them pin every output's sharding (the pools must come back
+        in host memory)."""
+        c = self.cfg.cache
+        self.state = v4_offload.offload_state(self.cfg.model, self.state, self.cfg.hot_buffer_rows,
+                                              c.storage, c.eviction)
+        shard = jax.tree.map(lambda x: x.sharding, self.state)
+        dev = parallel_mesh.replicated()
+        self.stepper._step = jax.jit(_decode, donate_argnums=(2, 3),
+                                     out_shardings=(dev, dev, shard, dev))
+        self._install = jax.jit(_install_offloaded, donate_argnums=(0, 1),
+                                out_shardings=(shard, dev))
+
+    def entry_stats(self) -> dict[str, int] | None:
+        """Offloaded CSA entries: lookups, hits and misses so far (None: offload off)."""
+        return v4_offload.entry_stats(self.state) if self.offload else None
 
     # ---- prefill ------------------------------------------------------------------
     def start_prefill(self, req: Request, page_row=None, *, record: bool = False

@@ -7,8 +7,8 @@ Default tier: what Config refuses for V4 and the prefill piece plan (no compile)
 the engine (continuous batching, requests arriving at different steps, a request waiting
 for a slot) against transformers' greedy `generate` (tokens equal, log-probs within
 1e-4), async scheduling on and off, sampling fields, prompt log-probs, the pad of a
-piece and an idle slot leaving no trace, and the server app in-process. e2e: the
-`jlco.generate` CLI on the saved checkpoint.
+piece and an idle slot leaving no trace, the CSA entries offloaded (bit for bit), and the
+server app in-process. e2e: the `jlco.generate` CLI on the saved checkpoint.
 """
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ def _v4_config(**engine) -> Config:
 
 
 @pytest.mark.parametrize("change, field", [
-    (dict(cache__offload=True), "cache.offload"),
+    (dict(cache__offload=True, cache__fetch_path="host_driven"), "cache.fetch_path"),
+    (dict(cache__offload=True, cache__hot_buffer_rows=100), "cache.hot_buffer_rows"),
     (dict(cache__prefix_cache=True), "cache.prefix_cache"),
     (dict(engine__num_draft_tokens=1), "engine.num_draft_tokens"),
     (dict(mesh=MeshConfig(expert=2)), "mesh"),
@@ -182,6 +183,30 @@ def test_async_scheduling_on_and_off_equal(loaded, greedy_run):
 
 
 @pytest.mark.slow
+def test_offloaded_csa_entries_equal_on_device_bit_for_bit(loaded, greedy_run):
+    """cache.offload: the CSA layers' entries in host pools behind 3-row hot buffers
+    (index_topk 3 of 16 entries), misses fetched in the step; the workload (a request
+    taking a slot another left: its hot buffer emptied at install) gives the offload-off
+    tokens and log-probs bit for bit, with hits and misses both counted."""
+    from jlco.model.deepseek_v4.offload import OffloadEntries
+    _, off = greedy_run
+    engine = _engine(loaded, cache__offload=True)
+    layers = engine.runner.state["layers"]
+    stores = [st["comp"]["entries"] for st in layers
+              if isinstance(st.get("comp", {}).get("entries"), OffloadEntries)]
+    assert len(stores) == loaded[0].layer_types.count("compressed_sparse_attention") == 2
+    assert stores[0].host.sharding.memory_kind == "pinned_host"
+    assert stores[0].rows.shape[:2] == (ENGINE["max_batch_size"], 3)
+    on = _run_workload(engine, top_logprobs=2)
+    for a, b in zip(off, on):
+        assert list(a.tokens) == list(b.tokens) and list(a.logprobs) == list(b.logprobs)
+        assert a.top_out == b.top_out
+    stats = engine.runner.entry_stats()
+    assert stats["hits"] > 0 and stats["misses"] > 0
+    assert stats["lookups"] == stats["hits"] + stats["misses"]
+
+
+@pytest.mark.slow
 def test_sampling_fields_alone_equal_batched(reference, loaded):
     """temperature / top_p / top_k / seed through the MLA engine's sampling: a sampled
     request's tokens are the same alone and in a batch, and each token's log-prob is
@@ -319,18 +344,23 @@ def test_served_completions_equal_the_engine(loaded, greedy_run):
 @pytest.mark.slow
 def test_generate_cli_on_the_checkpoint(reference, tmp_path):
     """`python -m jlco.generate --checkpoint DIR --prompts_file F --json` on the saved
-    deepseek_v4 checkpoint: transformers' greedy tokens for each prompt."""
+    deepseek_v4 checkpoint: transformers' greedy tokens for each prompt; with --offload
+    the same results and the CSA entries' lookups counted."""
     prompts = [_prompt(37, 0), _prompt(14, 1)]
     f = tmp_path / "prompts.jsonl"
     f.write_text("".join(json.dumps(p) + "\n" for p in prompts))
-    out = subprocess.run([sys.executable, "-m", "jlco.generate", "--checkpoint",
-                          str(reference[1]), "--prompts_file", str(f), "--json",
-                          "--max_new_tokens", "8", "--dtype", "float32"],
-                         capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr
-    doc = json.loads(out.stdout)
-    for p, r in zip(prompts, doc["results"]):
+    docs = []
+    for extra in ([], ["--offload"]):
+        out = subprocess.run([sys.executable, "-m", "jlco.generate", "--checkpoint",
+                              str(reference[1]), "--prompts_file", str(f), "--json",
+                              "--max_new_tokens", "8", "--dtype", "float32", *extra],
+                             capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0, out.stderr
+        assert "deepseek_v4" in out.stderr
+        docs.append(json.loads(out.stdout))
+    for p, r in zip(prompts, docs[0]["results"]):
         want, want_lp = _hf_greedy(reference[0], p, 8)
         assert r["tokens"] == want
         assert np.abs(np.asarray(r["logprobs"]) - want_lp).max() <= 1e-4
-    assert "deepseek_v4" in out.stderr
+    assert docs[1]["results"] == docs[0]["results"] and "offload" not in docs[0]
+    assert docs[1]["offload"]["csa_entries"]["lookups"] > 0

@@ -84,7 +84,7 @@ def _comp_chunk(c: Compressor, st: dict, x: jax.Array, p0: jax.Array, n=None) ->
     done = (jnp.arange(nw)[None, :] + 1) * m <= (r + n)[:, None]
     cap = st["entries"].shape[1]
     idx = jnp.where(done, first // m, cap)                           # cap: dropped
-    out = dict(st, entries=st["entries"].at[rows, idx].set(entries, mode="drop"))
+    out = dict(st, entries=_write_entries(st["entries"], rows, idx, entries))
     k = (r + n) // m                                                 # windows completed
     out["buf_kv"], out["buf_gate"] = ext_kv[rows[:, 0], k], ext_gate[rows[:, 0], k]
     if c.overlap:
@@ -93,6 +93,24 @@ def _comp_chunk(c: Compressor, st: dict, x: jax.Array, p0: jax.Array, n=None) ->
         out["prev_kv"] = jnp.where(more, ext_kv[rows[:, 0], last, :, :w], st["prev_kv"])
         out["prev_gate"] = jnp.where(more, ext_gate[rows[:, 0], last, :, :w], st["prev_gate"])
     return out
+
+
+def _write_entries(store, rows, idx, entries):
+    """store[row, idx] = entries (idx >= T dropped): an on-device entries array, or a
+    store of its own (`jlco.model.deepseek_v4.offload.OffloadEntries`)."""
+    if isinstance(store, jax.Array):
+        return store.at[rows, idx].set(entries, mode="drop")
+    return store.write(rows, idx, entries)
+
+
+def _picked_entries(comp: dict, rows, ids, ok):
+    """The picked entries [b, s, k, D] of comp["entries"] → (them, comp): gathered from
+    the array, or through an offloaded store (its hot buffer and host pool)."""
+    store = comp["entries"]
+    if isinstance(store, jax.Array):
+        return store[rows[..., None], ids], comp
+    keys, store = store.gather(ids, ok)
+    return keys, dict(comp, entries=store)
 
 
 def _window_parts(window: jax.Array, kv: jax.Array, p0: jax.Array, w: int):
@@ -141,8 +159,10 @@ def attention_chunk(attn: V4Attention, st: dict, x: jax.Array, p0: jax.Array, n=
             iq, iw = attn.indexer.queries(x, qr, cos, sin)
             ids, ok = topk_picks(attn.indexer.scores(iq, iw, index["entries"]), visible,
                                  min(cfg.index_topk, cap))
-            if gather_picks(s, ids.shape[-1], cfg.head_dim, cfg.num_attention_heads, cap):
-                parts.append((comp["entries"][rows[..., None], ids], ok))   # [b, s, k, D]
+            if gather_picks(s, ids.shape[-1], cfg.head_dim, cfg.num_attention_heads, cap) \
+                    or not isinstance(comp["entries"], jax.Array):     # offloaded: gathered
+                keys, st["comp"] = _picked_entries(comp, rows, ids, ok)
+                parts.append((keys, ok))                                   # [b, s, k, D]
             else:                                                          # [b, s, T] mask
                 picked = jnp.zeros(visible.shape, bool).at[
                     rows[..., None], jnp.arange(s)[None, :, None], ids].max(ok)
