@@ -747,9 +747,10 @@ class Config:
                "turn it off)")
         _check(e.num_draft_tokens == 0, "engine.num_draft_tokens", e.num_draft_tokens,
                f"0 with a deepseek_v4 model (its MTP layer is not loaded: MTP drafts {why})")
-        _check(self.mesh.num_devices == 1, "mesh", (self.mesh.data, self.mesh.expert,
-                                                    self.mesh.tensor),
-               f"one device (data=expert=tensor=1) with a deepseek_v4 model (a mesh engine {why})")
+        _check(self.mesh.data == 1, "mesh.data", self.mesh.data, "1 with a deepseek_v4 model "
+               f"(data-parallel attention over its state {why}; expert and tensor run)")
+        _check(not (c.offload and self.mesh.num_devices > 1), "cache.offload", c.offload,
+               f"False with a deepseek_v4 model on a mesh (its host pools on a mesh {why})")
         _check(e.attention_impl in ("auto", "xla"), "engine.attention_impl", e.attention_impl,
                "'auto' or 'xla' with a deepseek_v4 model (its attention is plain XLA)")
 

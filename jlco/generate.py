@@ -8,8 +8,9 @@ really move host→device). All prompts are decoded together as one batch.
 
 Model: --checkpoint loads a Hugging Face directory or a jlco Orbax directory (from
 `python -m jlco.convert`); a HF deepseek_v4 directory runs DeepSeek-V4
-(`jlco.engine.v4_runner`: one device; MTP drafts and the prefix cache off; --offload
-puts its CSA entries in host memory, "offload" then counts their lookups, hits and misses).
+(`jlco.engine.v4_runner`: MTP drafts and the prefix cache off; --mesh expert/tensor
+axes only; --offload puts its CSA entries in host memory, "offload" then counts their
+lookups, hits and misses).
 The compute dtype is --dtype when given, else the checkpoint's own (config.json
 `dtype` / `torch_dtype`; an Orbax checkpoint's converted dtype), else bfloat16; stderr
 says which and why. Without a checkpoint a small RANDOM-WEIGHT model is built and stderr

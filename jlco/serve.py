@@ -190,8 +190,8 @@ def v4_memory_plan(cfg, weight_bytes: int) -> list[str]:
     state = batch * sum(parts.values())
     each = ", ".join(f"{k} {mb(v)}" for k, v in parts.items())
     lines = [f"memory: state {mb(state)} + weights {mb(weight_bytes)} (batch {batch}, "
-             f"context {cfg.engine.max_context_len}; per request: {each}); deepseek_v4: MTP, "
-             "the prefix cache and a mesh are not implemented yet"]
+             f"context {cfg.engine.max_context_len}; per request: {each}, replicated on a mesh); "
+             "deepseek_v4: MTP, the prefix cache and mesh.data > 1 are not implemented yet"]
     if cfg.cache.offload:
         lines.append(f"memory: csa_entries ({mb(batch * parts['csa_entries'])}) in "
                      f"{cfg.cache.storage} host memory, {cfg.hot_buffer_rows} hot rows per "

@@ -73,11 +73,8 @@ def load_weights(choice: ModelChoice, *, seed: int = 0, verify: bool = True,
     if choice.checkpoint is None:
         from jlco.checkpoint.random_store import random_model
         return choice.model, random_model(choice.model, seed)
-    if choice.model.model_type == "deepseek_v4":
+    if choice.model.model_type == "deepseek_v4":   # read whole; the caller shards it
         from jlco.checkpoint.deepseek_v4 import load_v4
-        if shardings is not None:
-            raise ValueError("a deepseek_v4 checkpoint loads on one device (mesh 1x1x1): "
-                             "placing it on a mesh is not implemented yet")
         if num_draft_tokens:
             raise ValueError(f"--num_draft_tokens={num_draft_tokens}: MTP is not implemented "
                              "for deepseek_v4 (its mtp.* tensors are not loaded)")

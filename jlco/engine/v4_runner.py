@@ -24,8 +24,13 @@ With `cache.offload` the CSA layers' compressed entries live in host pools behin
 hot buffers (`jlco.model.deepseek_v4.offload`: misses fetched inside the jitted step,
 offload on equals off bit for bit); the prefill still runs on device.
 
-Not run here yet, refused by `Config` (MTP drafts, a mesh, the prefix cache, the
-host-driven fetch path) or here (PD export / import, top-k traces).
+On a mesh (expert and tensor axes; the engine runs under `jax.set_mesh`) the parameters
+are placed by their logical axes (`jlco.parallel.mesh.shard_model`, the routed experts
+through V4's expert-parallel dispatch) and the state is replicated.
+
+Not run here yet, refused by `Config` (MTP drafts, data-parallel attention, offload on a
+mesh, the prefix cache, the host-driven fetch path) or here (PD export / import, top-k
+traces).
 """
 
 from __future__ import annotations
@@ -60,6 +65,11 @@ def state_len(cfg) -> int:
     rates = [cfg.model.compress_rate(i) for i in range(cfg.model.num_hidden_layers)]
     step = math.lcm(*[r for r in rates if r] or [1])
     return -(-cfg.engine.max_context_len // step) * step
+
+
+def replicated(tree):
+    """`tree` placed whole on every device of the mesh in use (one device without)."""
+    return jax.device_put(tree, parallel_mesh.replicated())
 
 
 def v4_pieces(n: int, chunk: int) -> list[tuple[int, int, int]]:
@@ -102,11 +112,6 @@ _jit_decode = jax.jit(_decode, donate_argnums=(2, 3))
 _jit_install = jax.jit(_install, donate_argnums=(0, 1))
 
 
-@functools.cache
-def _jit_merge():
-    """`follow_inputs`, its outputs where step outputs live (built on first use: it
-    asks for the device)."""
-    return jax.jit(follow_inputs, out_shardings=parallel_mesh.replicated())
 
 
 @dataclasses.dataclass(eq=False)
@@ -147,18 +152,20 @@ class V4Stepper:
     `kind`, `metrics` (None: no drafts), `observers`)."""
 
     def __init__(self, cfg: Config, graphdef, params, slot_len: np.ndarray):
-        follow = bool(cfg.engine.async_scheduling)
-        self.kind = StepKind(0, "device", (1, 1, 1), follow,
+        follow, m = bool(cfg.engine.async_scheduling), cfg.mesh
+        self.kind = StepKind(0, "device", (m.data, m.expert, m.tensor), follow,
                              "" if follow else "engine.async_scheduling=false")
         self.metrics = None
         self.drafter = None
         self.observers: list[Callable[[StepRecord], None]] = []
         self.graphdef, self.params, self.slot_len = graphdef, params, slot_len
         self.batch, self.vocab = len(slot_len), cfg.model.vocab_size
-        self._step, self._merge = _jit_decode, _jit_merge()
+        # Replicated over the mesh, if any (where the step's outputs live).
+        self._step = _jit_decode
+        self._merge = jax.jit(follow_inputs, out_shardings=parallel_mesh.replicated())
         z = functools.partial(jnp.zeros, dtype=jnp.int32)
         b = self.batch
-        self._idle = (z((b,)), None, z((b,)), z((b,)))
+        self._idle = replicated((z((b,)), None, z((b,)), z((b,))))
 
     @property
     def width(self) -> int:
@@ -236,8 +243,8 @@ class V4Runner:
         self.cfg = cfg
         self.graphdef, self.params = nnx.split(model)
         self.batch, self.max_len = cfg.engine.max_batch_size, state_len(cfg)
-        self.state = v4_state.init_state(cfg.model, self.batch, self.max_len)
-        self.seen = penalize.SeenTokens.zeros(self.batch, cfg.model.vocab_size)
+        self.state = replicated(v4_state.init_state(cfg.model, self.batch, self.max_len))
+        self.seen = replicated(penalize.SeenTokens.zeros(self.batch, cfg.model.vocab_size))
         self.slot_len = np.zeros((self.batch,), np.int64)
         self.stepper = V4Stepper(cfg, self.graphdef, self.params, self.slot_len)
         self._piece, self._install = _jit_piece, _jit_install
@@ -278,7 +285,7 @@ class V4Runner:
         """Run the job's next piece (queued, no sync) → its cost (its padded width)."""
         t0 = time.perf_counter()
         if job.cache is None:
-            job.cache = v4_state.init_state(self.cfg.model, 1, self.max_len)
+            job.cache = replicated(v4_state.init_state(self.cfg.model, 1, self.max_len))
         lo, hi, width = job.pieces[job.done_pieces]
         tokens = np.zeros((1, width), np.int32)
         tokens[0, :hi - lo] = job.tokens[lo:hi]
@@ -354,7 +361,7 @@ class V4Runner:
                          for _, _, w in v4_pieces(n, chunk)} | {chunk})
         total, done = len(widths) + 1, 0
         for w in widths:
-            one = v4_state.init_state(self.cfg.model, 1, self.max_len)
+            one = replicated(v4_state.init_state(self.cfg.model, 1, self.max_len))
             out, _ = self._piece(self.graphdef, self.params, one, np.zeros((1, w), np.int32),
                                  np.ones((1,), np.int32), full=False)
             jax.block_until_ready(out)
