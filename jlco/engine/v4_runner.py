@@ -153,7 +153,8 @@ class V4Stepper:
 
     def __init__(self, cfg: Config, graphdef, params, slot_len: np.ndarray):
         follow, m = bool(cfg.engine.async_scheduling), cfg.mesh
-        self.kind = StepKind(0, "device", (m.data, m.expert, m.tensor), follow,
+        fetch = "in_jit" if cfg.cache.offload else "device"   # offloaded CSA entries
+        self.kind = StepKind(0, fetch, (m.data, m.expert, m.tensor), follow,
                              "" if follow else "engine.async_scheduling=false")
         self.metrics = None
         self.drafter = None

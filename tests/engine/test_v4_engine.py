@@ -192,6 +192,7 @@ def test_offloaded_csa_entries_equal_on_device_bit_for_bit(loaded, greedy_run):
     from jlco.model.deepseek_v4.offload import OffloadEntries
     _, off = greedy_run
     engine = _engine(loaded, cache__offload=True)
+    assert engine.step_kind.fetch == "in_jit"
     layers = engine.runner.state["layers"]
     stores = [st["comp"]["entries"] for st in layers
               if isinstance(st.get("comp", {}).get("entries"), OffloadEntries)]
