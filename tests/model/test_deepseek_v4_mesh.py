@@ -53,7 +53,7 @@ SCRIPT = textwrap.dedent("""
             return compute(model)
 
     def compute(model):
-        full = model(prompt)
+        full = nnx.jit(lambda m, t: m(t))(model, prompt)   # op by op: minutes on a mesh
         logits, st = v4_state.prefill(model, prompt, max_len=32, chunk=8)
         step = nnx.jit(v4_state.decode_step)
         tok, toks, lgs = jnp.argmax(logits[:, -1], -1), [], []

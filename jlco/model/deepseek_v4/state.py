@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from jlco.model.deepseek_v4.attention import NEG_INF, Compressor, V4Attention, topk_picks
 from jlco.model.deepseek_v4.blocks import hc_merge
@@ -224,14 +225,16 @@ def decode_step(model: DeepseekV4, state: dict, tokens: jax.Array):
 
 def prefill(model: DeepseekV4, tokens: jax.Array, max_len: int, chunk: int | None = None):
     """Prompts [b, L] of one length from position 0, in chunks of `chunk` tokens (None:
-    one) → (logits [b, L, V] f32, state with room for max_len tokens)."""
+    one) → (logits [b, L, V] f32, state with room for max_len tokens). Each chunk runs
+    as one jitted `forward_chunk` (traced afresh per call, once per chunk width): op by
+    op, a V4 layer's many small operations cost minutes on a CPU mesh."""
     b, L = tokens.shape
     if L > max_len:
         raise ValueError(f"prompt of {L} tokens is longer than max_len={max_len}")
     state, outs = init_state(model.cfg, b, max_len), []
-    step = chunk or L
+    step, run = chunk or L, nnx.jit(forward_chunk)
     for lo in range(0, L, step):
-        logits, state = forward_chunk(model, state, tokens[:, lo:lo + step])
+        logits, state = run(model, state, tokens[:, lo:lo + step])
         outs.append(logits)
     return jnp.concatenate(outs, axis=1), state
 
