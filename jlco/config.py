@@ -831,9 +831,9 @@ def load_config(path: str | pathlib.Path) -> Config:
     cfg = getattr(mod, "CONFIG", None)
     if cfg is None and getattr(mod, "DEPLOYMENT", None) is not None:
         raise ConfigError(f"{path}: a DeepSeek-V4 deployment (DEPLOYMENT, no CONFIG): "
-                          "`python -m jlco.plan` plans it; serving deepseek_v4 from a config "
-                          "file is not implemented (a deepseek_v4 checkpoint is read by "
-                          "jlco.checkpoint.deepseek_v4)")
+                          "`python -m jlco.plan` plans it; jlco.generate / jlco.serve run a "
+                          "deepseek_v4 checkpoint (--checkpoint) or a config file defining "
+                          "CONFIG (configs/deepseek_v4_tiny.py: random weights)")
     if not isinstance(cfg, Config):
         raise ConfigError(f"{path}: must define CONFIG = jlco.config.Config(...)")
     if cfg.cache.storage == "file":

@@ -283,18 +283,20 @@ def _summary(t: dict) -> str:
 def render_config(cfg: Config, doc: str = "") -> str:
     """Python source for `cfg` in the style of configs/*.py: each dataclass as
     `Name(field=value, ...)` listing the fields that differ from its defaults."""
-    names: set[str] = set()
+    names: set[tuple[str, str]] = set()      # (module, class): a V4Config has its own
     body = _render(cfg, 0, names)
     doc = doc.replace('"""', "'''").strip()
     head = f'"""{doc}\n"""\n' if doc else ""
-    return (f"{head}from jlco.config import {', '.join(sorted(names))}\n\n"
-            f"CONFIG = {body}\n")
+    imports = "".join(
+        f"from {mod} import {', '.join(sorted(n for m, n in names if m == mod))}\n"
+        for mod in sorted({m for m, _ in names}))
+    return f"{head}{imports}\nCONFIG = {body}\n"
 
 
 def _render(obj, indent: int, names: set) -> str:
     if dataclasses.is_dataclass(obj):
         cls = type(obj)
-        names.add(cls.__name__)
+        names.add((cls.__module__, cls.__name__))
         default = cls()
         items = [(f.name, getattr(obj, f.name)) for f in dataclasses.fields(obj)
                  if getattr(obj, f.name) != getattr(default, f.name)]

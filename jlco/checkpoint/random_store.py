@@ -41,18 +41,24 @@ def store_key(mcfg, seed: int) -> str:
                  str(jax.config.jax_default_prng_impl),
                  str(jax.config.jax_threefry_partitionable)):
         h.update(part.encode() + b"\0")
-    for src in sorted(_MODEL_DIR.glob("*.py")):
-        h.update(src.name.encode() + b"\0" + src.read_bytes())
+    sources = sorted(_MODEL_DIR.glob("*.py"))
+    if mcfg.model_type == "deepseek_v4":
+        sources += sorted((_MODEL_DIR / "deepseek_v4").glob("*.py"))
+    for src in sources:
+        h.update(str(src.relative_to(_MODEL_DIR)).encode() + b"\0" + src.read_bytes())
     return h.hexdigest()[:32]
 
 
 def random_model(mcfg, seed: int):
-    """`DeepseekV32(mcfg, rngs=nnx.Rngs(seed))`, read from the store when it is there."""
+    """`DeepseekV32(mcfg, rngs=nnx.Rngs(seed))` (a deepseek_v4 `mcfg`: `DeepseekV4`),
+    read from the store when it is there."""
     from flax import nnx
 
-    from jlco.model.decoder import DeepseekV32
-
     def build():
+        if mcfg.model_type == "deepseek_v4":
+            from jlco.model.deepseek_v4.model import DeepseekV4
+            return DeepseekV4(mcfg, rngs=nnx.Rngs(seed))
+        from jlco.model.decoder import DeepseekV32
         return DeepseekV32(mcfg, rngs=nnx.Rngs(seed))
 
     where = store_dir()

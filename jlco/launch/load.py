@@ -16,6 +16,7 @@ import pathlib
 
 _ROOT = pathlib.Path(__file__).resolve().parent.parent.parent
 TINY_CONFIG = _ROOT / "configs" / "tiny.py"
+V4_TINY_CONFIG = _ROOT / "configs" / "deepseek_v4_tiny.py"   # a deepseek_v4 config's stand-in
 RANDOM_MODEL_MAX_BYTES = 2 << 30   # larger configs' models get tiny's shape (random weights)
 
 
@@ -30,27 +31,34 @@ def choose_model(checkpoint: str | None, base, dtype: str | None, seed: int):
 
 def random_choice(base, dtype: str | None, seed: int):
     """The random-weight model for config `base`: its own when small enough to build,
-    else configs/tiny.py's model section (its positions raised to the config's context).
-    Its size: the planner's parameter count (`jlco.planning.params`), 2 bytes each (f32: 4)."""
+    else configs/tiny.py's model section (a deepseek_v4 config: configs/deepseek_v4_tiny.py's;
+    its positions raised to the config's context). Its size: the planner's parameter count
+    (`jlco.planning.params`, V4: `jlco.planning.v4`), 2 bytes each (f32: 4)."""
     from jlco.checkpoint.choice import ModelChoice
     from jlco.config import load_config
-    from jlco.planning.params import weight_bytes
     m, cfg_name = base.model, base.name
     width = 4 if (dtype or m.dtype) == "float32" else 2
-    nbytes = weight_bytes(m, ep=1, weight_format="bf16").params_total * width
+    if base.is_v4:
+        from jlco.planning.v4 import weights
+        params = weights(m, "bf16").params_total
+    else:
+        from jlco.planning.params import weight_bytes
+        params = weight_bytes(m, ep=1, weight_format="bf16").params_total
+    nbytes = params * width
     own = nbytes <= RANDOM_MODEL_MAX_BYTES
+    stand_in = V4_TINY_CONFIG if base.is_v4 else TINY_CONFIG
     if own:
         what = f"the {cfg_name} config's model"
     else:
-        tiny = load_config(TINY_CONFIG).model
+        tiny = load_config(stand_in).model
         m = dataclasses.replace(tiny, max_position_embeddings=max(
             tiny.max_position_embeddings, base.engine.max_context_len))
-        what = (f"configs/tiny.py's model section: the {cfg_name} config's model has "
+        what = (f"configs/{stand_in.name}'s model section: the {cfg_name} config's model has "
                 f"{nbytes / 2**30:.0f} GiB of weights, too big to build with random ones; "
                 f"its engine context ({base.engine.max_context_len}) and cache settings "
                 f"(offload {'on' if base.cache.offload else 'off'}, kv_format "
                 f"{base.cache.kv_format}) are kept")
-    dtype_why = f"{cfg_name} model.dtype" if own else "configs/tiny.py model.dtype"
+    dtype_why = f"{cfg_name} model.dtype" if own else f"configs/{stand_in.name} model.dtype"
     if dtype:
         m, dtype_why = dataclasses.replace(m, dtype=dtype), "--dtype"
     return ModelChoice(m, f"no --checkpoint: using a small RANDOM-WEIGHT model ({what}; seed "

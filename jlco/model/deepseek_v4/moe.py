@@ -57,10 +57,10 @@ class V4Router(nnx.Module):
         self.cfg, self.hashed = cfg, hashed
         e = cfg.n_routed_experts
         self.weight = param(rngs, (cfg.hidden_size, e), dtype_of(cfg), ("embed", None))
-        if hashed:
-            self.tid2eid = nnx.Param(jnp.zeros((cfg.vocab_size, cfg.num_experts_per_tok),
-                                               jnp.int32), out_sharding=(None, None),
-                                     eager_sharding=False)
+        if hashed:   # random: k distinct experts per token id (a checkpoint's replace it)
+            draw = jax.random.uniform(rngs.params(), (cfg.vocab_size, e))
+            table = jnp.argsort(draw, axis=-1)[:, :cfg.num_experts_per_tok].astype(jnp.int32)
+            self.tid2eid = nnx.Param(table, out_sharding=(None, None), eager_sharding=False)
         else:
             self.bias = param(rngs, (e,), F32, (None,), init="zeros")
 
