@@ -9,8 +9,8 @@ really move host→device). All prompts are decoded together as one batch.
 Model: --checkpoint loads a Hugging Face directory or a jlco Orbax directory (from
 `python -m jlco.convert`); a HF deepseek_v4 directory runs DeepSeek-V4
 (`jlco.engine.v4_runner`: MTP drafts and the prefix cache off; --mesh expert/tensor
-axes only; --offload puts its CSA entries in host memory, "offload" then counts their
-lookups, hits and misses).
+axes only; --offload puts its CSA entries in host memory, "offload" then holds the
+prefetch health numbers per layer, as for MLA, and "csa_entries" their totals).
 The compute dtype is --dtype when given, else the checkpoint's own (config.json
 `dtype` / `torch_dtype`; an Orbax checkpoint's converted dtype), else bfloat16; stderr
 says which and why. Without a checkpoint a small RANDOM-WEIGHT model is built and stderr
@@ -433,7 +433,7 @@ def main(argv):
                                         warmup_rows=engine.runner.warmup_rows)
             v4_stats = getattr(engine.runner, "entry_stats", lambda: None)()
             if v4_stats is not None:            # deepseek_v4: the offloaded CSA entries
-                extra["offload"] = {"csa_entries": v4_stats}
+                extra["offload"]["csa_entries"] = v4_stats
             with cli.errors_exit(PROG, NonFiniteOutput, code=cli.FAILURE_EXIT):
                 text = render(results, timing, FLAGS.json, FLAGS.prompts_file is not None,
                               extra)

@@ -22,7 +22,10 @@ that step's outputs on the device (`jlco.engine.decode.follow_inputs`).
 
 With `cache.offload` the CSA layers' compressed entries live in host pools behind device
 hot buffers (`jlco.model.deepseek_v4.offload`: misses fetched inside the jitted step,
-offload on equals off bit for bit); the prefill still runs on device.
+offload on equals off bit for bit); the prefill still runs on device. Each step also
+returns its counters, recorded at collect into `metrics` (an `OffloadMetrics` over every
+model layer, as the MLA engine's: lookups = hits + misses = the running requests'
+picks, h2d rows = misses; sliding and HCA layers keep no entries offloaded and stay 0).
 
 On a mesh (expert and tensor axes; the engine runs under `jax.set_mesh`) the parameters
 are placed by their logical axes (`jlco.parallel.mesh.shard_model`, the routed experts
@@ -53,6 +56,7 @@ from jlco.engine.inputs import DecodeOutput, StepInputs, alternatives
 from jlco.engine.scheduler import Request
 from jlco.model.deepseek_v4 import offload as v4_offload
 from jlco.model.deepseek_v4 import state as v4_state
+from jlco.offload.metrics import OffloadMetrics
 from jlco.parallel import mesh as parallel_mesh
 from jlco.sampling import penalize
 from jlco.sampling.sample import position_logprobs, sample
@@ -96,6 +100,23 @@ def _decode(graphdef, params, state, seen, inputs: StepInputs):
                                            inputs.tokens, n)
     tok, logp = sample(logits[:, -1], inputs.sampling, seen)
     return tok, logp, state, penalize.count(seen, tok[:, None], n)
+
+
+def _decode_counted(graphdef, params, state, seen, inputs: StepInputs):
+    """`_decode` with offloaded CSA entries, plus the step's counters int32 [layers,
+    STAT_NAMES] (`jlco.model.deepseek_v4.offload.layer_stats` after − before)."""
+    before = v4_offload.layer_stats(state)
+    tok, logp, state, seen = _decode(graphdef, params, state, seen, inputs)
+    return tok, logp, state, seen, v4_offload.layer_stats(state) - before
+
+
+def record_stats(metrics: OffloadMetrics, stats: np.ndarray) -> None:
+    """One step's counters [layers, STAT_NAMES] into `metrics`: every miss is one entry
+    fetched host → device (h2d_rows); a layer without CSA adds zeros."""
+    for layer, row in enumerate(stats):
+        c = dict(zip(v4_offload.STAT_NAMES, (int(v) for v in row)))
+        metrics.update(layer, lookups=c["lookups"], hits=c["hits"], misses=c["misses"],
+                       h2d_rows=c["misses"], h2d_moved_rows=c["h2d_moved_rows"])
 
 
 def _install(state, seen, one, slot, row):
@@ -156,7 +177,8 @@ class V4Stepper:
         fetch = "in_jit" if cfg.cache.offload else "device"   # offloaded CSA entries
         self.kind = StepKind(0, fetch, (m.data, m.expert, m.tensor), follow,
                              "" if follow else "engine.async_scheduling=false")
-        self.metrics = None
+        self.metrics = None           # speculative decoding's (no drafts)
+        self.offload_metrics: OffloadMetrics | None = None   # set with offloaded entries
         self.drafter = None
         self.observers: list[Callable[[StepRecord], None]] = []
         self.graphdef, self.params, self.slot_len = graphdef, params, slot_len
@@ -197,10 +219,11 @@ class V4Stepper:
         """Queue one step for `running` → (the pending step, state, seen)."""
         t0 = time.perf_counter()
         inputs = self.inputs(running, follow)
-        tok, logp, state, seen = self._step(self.graphdef, self.params, state, seen, inputs)
+        tok, logp, state, seen, *stats = self._step(self.graphdef, self.params, state, seen,
+                                                    inputs)
         for r in running:
             self.slot_len[r.slot] += 1
-        pending = PendingDecode(tuple(running), t0, (tok, logp), inputs.limit,
+        pending = PendingDecode(tuple(running), t0, (tok, logp, *stats), inputs.limit,
                                 inputs.sampling.counts)
         return pending, state, seen
 
@@ -209,7 +232,9 @@ class V4Stepper:
         t_wait = time.perf_counter()
         jax.block_until_ready(pending.arrays)
         waited = time.perf_counter() - t_wait
-        tok, (lp, ids, lps) = jax.device_get(pending.arrays)
+        tok, (lp, ids, lps), *stats = jax.device_get(pending.arrays)
+        if stats and self.offload_metrics is not None:
+            record_stats(self.offload_metrics, stats[0])
         toks, lps_out, tops = [], [], []
         for r in live:
             s, k = r.slot, r.params.top_logprobs
@@ -230,7 +255,7 @@ class V4Stepper:
 class V4Runner:
     """The device side of the engine for a deepseek_v4 model (see the module docstring)."""
 
-    metrics = None        # the MLA offload counters (V4's: entry_stats)
+    metrics = None        # offload counters (OffloadMetrics) with cache.offload
     pages = None          # no host pages
     trace = None          # no top-k traces
     prefix = None         # no prefix cache
@@ -263,13 +288,18 @@ class V4Runner:
                                               c.storage, c.eviction)
         shard = jax.tree.map(lambda x: x.sharding, self.state)
         dev = parallel_mesh.replicated()
-        self.stepper._step = jax.jit(_decode, donate_argnums=(2, 3),
-                                     out_shardings=(dev, dev, shard, dev))
+        self.stepper._step = jax.jit(_decode_counted, donate_argnums=(2, 3),
+                                     out_shardings=(dev, dev, shard, dev, dev))
+        m = self.cfg.model
+        self.metrics = OffloadMetrics(m.num_hidden_layers,
+                                      m.head_dim * jnp.dtype(m.dtype).itemsize)
+        self.stepper.offload_metrics = self.metrics
         self._install = jax.jit(_install_offloaded, donate_argnums=(0, 1),
                                 out_shardings=(shard, dev))
 
     def entry_stats(self) -> dict[str, int] | None:
-        """Offloaded CSA entries: lookups, hits and misses so far (None: offload off)."""
+        """Offloaded CSA entries: STAT_NAMES so far, all layers (None: offload off); per
+        layer, as the MLA engine's, in `metrics`."""
         return v4_offload.entry_stats(self.state) if self.offload else None
 
     # ---- prefill ------------------------------------------------------------------

@@ -206,6 +206,37 @@ def test_offloaded_csa_entries_equal_on_device_bit_for_bit(loaded, greedy_run):
     stats = engine.runner.entry_stats()
     assert stats["hits"] > 0 and stats["misses"] > 0
     assert stats["lookups"] == stats["hits"] + stats["misses"]
+    _assert_counters(engine, [(n, new) for n, new, _ in WORKLOAD])
+    assert sum(engine.metrics.snapshot()["per_layer"]["lookups"]) == stats["lookups"]
+
+
+def _picks(cfg, requests) -> int:
+    """CSA picks of one CSA layer over the decode steps of `requests` [(prompt length,
+    new tokens)]: the query at position t sees (t + 1) // rate entries and picks up to
+    index_topk of them; the first new token comes from the prefill, the last is not fed."""
+    m = cfg.model
+    k = min(m.index_topk, state_len(cfg) // m.compress_rate_csa)
+    return sum(min(k, (t + 1) // m.compress_rate_csa)
+               for n, new in requests for t in range(n, n + new - 1))
+
+
+def _assert_counters(engine, requests) -> None:
+    """engine.metrics (OffloadMetrics, per model layer): each CSA layer looked up exactly
+    the running requests' picks, hits + misses = lookups, each miss one row host → device
+    (its bytes: head_dim values); sliding and HCA layers counted nothing."""
+    snap = engine.metrics.snapshot()["per_layer"]
+    health = engine.metrics.health()["per_layer"]
+    m = engine.cfg.model
+    for layer, kind in enumerate(m.layer_types):
+        want = _picks(engine.cfg, requests) if kind == "compressed_sparse_attention" else 0
+        assert snap["lookups"][layer] == want, (layer, kind, snap["lookups"])
+        assert snap["hits"][layer] + snap["misses"][layer] == want
+        assert snap["h2d_rows"][layer] == snap["misses"][layer]
+        assert snap["h2d_bytes"][layer] == snap["misses"][layer] * m.head_dim * 4
+        assert health["rows_needed"][layer] == want
+        assert health["rows_on_demand"][layer] == snap["misses"][layer]
+        if want:
+            assert 0 < snap["misses"][layer] < want, (layer, snap["misses"])
 
 
 @pytest.mark.slow
@@ -337,6 +368,43 @@ def test_served_completions_equal_the_engine(loaded, greedy_run):
     chunks = [json.loads(ln) for ln in lines if ln != "[DONE]"]
     streamed = [t for c in chunks for ch in c["choices"] for t in ch.get("token_ids") or []]
     assert streamed == got
+
+
+@pytest.mark.slow
+def test_served_metrics_show_the_csa_counters(loaded):
+    """jlco.serve's app in-process over an offloaded V4 engine: after a completion,
+    /metrics' jlco_cache_lookups / _hits / _misses per layer are the engine's counters
+    (the CSA layers' picks; the sliding and HCA layers 0)."""
+    from starlette.testclient import TestClient
+
+    from jlco.server.app import ServerState, create_app
+    from jlco.server.loop import EngineLoop
+    engine = _engine(loaded, cache__offload=True)
+    state = ServerState(model_name="v4", max_context_len=engine.cfg.engine.max_context_len,
+                        index_topk=engine.cfg.model.index_topk, engine=engine)
+    app = create_app(state)
+    loop = EngineLoop(engine, max_waiting=8, import_ttl_s=60.0,
+                      on_step=app.state.metrics.observe_step)
+    loop.start()
+    state.loop = loop
+    body = dict(model="v4", prompt=_prompt(37, 0), max_tokens=12, temperature=0,
+                ignore_eos=True, return_token_ids=True)
+    try:
+        with TestClient(app, base_url="http://testserver") as client:
+            r = client.post("/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+            text = client.get("/metrics").text
+    finally:
+        loop.drain(1.0)
+        engine.close()
+    _assert_counters(engine, [(37, 12)])
+    snap = engine.metrics.snapshot()["per_layer"]
+    for name in ("lookups", "hits", "misses"):
+        got = {int(ln.split('layer="')[1].split('"')[0]): float(ln.split()[-1])
+               for ln in text.splitlines() if ln.startswith(f"jlco_cache_{name}_total{{")}
+        assert got == {i: float(v) for i, v in enumerate(snap[name])}, (name, got)
+    assert snap["lookups"][1] > 0 and snap["lookups"][0] == snap["lookups"][2] == 0
+    assert "jlco_prefetch_rows_on_demand_total" in text
 
 
 # ----------------------------------------------------------------------------- slow: mesh

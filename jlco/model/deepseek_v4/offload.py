@@ -30,7 +30,9 @@ from jlco.offload.fetch import fetch_in_jit
 from jlco.offload.host_pool import host_row_ids, scatter_to_host
 from jlco.offload.hot_buffer import resolve
 
-STAT_NAMES = ("lookups", "hits", "misses")
+# Per store, summed over steps: picks resolved (distinct entries of the running slots), in
+# the hot buffer, fetched from the host pool, and host rows the padded fetch moved.
+STAT_NAMES = ("lookups", "hits", "misses", "h2d_moved_rows")
 
 
 @partial(jax.tree_util.register_dataclass,
@@ -45,7 +47,7 @@ class OffloadEntries:
     host: jax.Array          # uint8 [b·T, R] host pool
     page_table: jax.Array    # int32 [b, 1] the slot's page (its index)
     step: jax.Array          # int32 [] decode steps (the stamps)
-    stats: jax.Array         # int32 [3] STAT_NAMES, summed over steps
+    stats: jax.Array         # int32 [4] STAT_NAMES, summed over steps
     width: int               # D
     dtype: str
     policy: str = "lru"
@@ -74,12 +76,12 @@ class OffloadEntries:
         t = self.entries
         res = resolve(self.slot_pos, self.slot_stamp, jnp.where(ok, ids, -1), self.step,
                       self.policy, num_positions=t)
-        rows, _ = fetch_in_jit(self.rows, self.host, self.page_table, res, t)
+        rows, moved = fetch_in_jit(self.rows, self.host, self.page_table, res, t)
         b = rows.shape[0]
         picked = rows[jnp.arange(b)[:, None, None], jnp.maximum(res.slot_ids, 0)]
         keys = jnp.where(ok[..., None], from_bytes(picked, self.dtype, self.width), 0)
         stats = self.stats + jnp.stack([res.n_lookup.sum(), res.n_hit.sum(),
-                                        res.n_miss.sum()]).astype(jnp.int32)
+                                        res.n_miss.sum(), moved]).astype(jnp.int32)
         return keys, dataclasses.replace(self, rows=rows, slot_pos=res.slot_pos,
                                          slot_stamp=res.slot_stamp, step=self.step + 1,
                                          stats=stats)
@@ -118,7 +120,8 @@ def offload_entries(batch: int, entries: int, width: int, dtype: str, capacity: 
     return OffloadEntries(
         jnp.zeros((batch, capacity, row), jnp.uint8), jnp.full((batch, capacity), -1, jnp.int32),
         jnp.full((batch, capacity), -1, jnp.int32), host,
-        jnp.arange(batch, dtype=jnp.int32)[:, None], jnp.int32(0), jnp.zeros((3,), jnp.int32),
+        jnp.arange(batch, dtype=jnp.int32)[:, None], jnp.int32(0),
+        jnp.zeros((len(STAT_NAMES),), jnp.int32),
         width, str(jnp.dtype(dtype)), policy)
 
 
@@ -156,8 +159,16 @@ def install(batch: dict, slot, one: dict) -> dict:
 
 
 def entry_stats(state: dict) -> dict[str, int]:
-    """Lookups, hits and misses of the offloaded entries, summed over layers and steps."""
-    stores = [st["comp"]["entries"] for st in state["layers"]
-              if isinstance(st.get("comp", {}).get("entries"), OffloadEntries)]
-    total = np.sum([np.asarray(s.stats) for s in stores], axis=0) if stores else np.zeros(3)
+    """STAT_NAMES of the offloaded entries, summed over layers and steps."""
+    total = np.asarray(layer_stats(state)).sum(axis=0)
     return dict(zip(STAT_NAMES, (int(v) for v in total)))
+
+
+def layer_stats(state: dict) -> jax.Array:
+    """int32 [layers, STAT_NAMES] so far, per model layer: a layer without offloaded
+    entries (sliding, HCA) has a row of zeros. Traceable: a step's counters are the
+    difference of this after and before it."""
+    rows = [st["comp"]["entries"].stats
+            if isinstance(st.get("comp", {}).get("entries"), OffloadEntries)
+            else jnp.zeros((len(STAT_NAMES),), jnp.int32) for st in state["layers"]]
+    return jnp.stack(rows)

@@ -160,8 +160,11 @@ def attention_chunk(attn: V4Attention, st: dict, x: jax.Array, p0: jax.Array, n=
             iq, iw = attn.indexer.queries(x, qr, cos, sin)
             ids, ok = topk_picks(attn.indexer.scores(iq, iw, index["entries"]), visible,
                                  min(cfg.index_topk, cap))
-            if gather_picks(s, ids.shape[-1], cfg.head_dim, cfg.num_attention_heads, cap) \
-                    or not isinstance(comp["entries"], jax.Array):     # offloaded: gathered
+            if not isinstance(comp["entries"], jax.Array):     # offloaded: gathered
+                ok = ok if n is None else ok & (jnp.arange(s) < n[:, None])[..., None]
+                keys, st["comp"] = _picked_entries(comp, rows, ids, ok)    # (pads: no
+                parts.append((keys, ok))                                   # lookups)
+            elif gather_picks(s, ids.shape[-1], cfg.head_dim, cfg.num_attention_heads, cap):
                 keys, st["comp"] = _picked_entries(comp, rows, ids, ok)
                 parts.append((keys, ok))                                   # [b, s, k, D]
             else:                                                          # [b, s, T] mask
