@@ -40,7 +40,8 @@ class Engine(PrefillTransfer):
                  drafter=None):
         self.cfg = cfg
         if cfg.is_v4:
-            self.runner = v4_runner(cfg, model, trace_path=trace_path, drafter=drafter)
+            self.runner = v4_runner(cfg, model, trace_path=trace_path, drafter=drafter,
+                                    warmup_queries=warmup_queries)
         else:
             self.runner = ModelRunner(cfg, model, impl=impl, trace_path=trace_path,
                                       warmup_queries=warmup_queries, drafter=drafter)
@@ -233,7 +234,7 @@ class Engine(PrefillTransfer):
         self.runner.close()
 
 
-def v4_runner(cfg: Config, model, *, trace_path, drafter):
+def v4_runner(cfg: Config, model, *, trace_path, drafter, warmup_queries: int):
     """The runner of a deepseek_v4 model (`jlco.engine.v4_runner.V4Runner`); what it does
     not run yet is refused naming the argument."""
     from jlco.engine.v4_runner import V4Runner
@@ -243,7 +244,7 @@ def v4_runner(cfg: Config, model, *, trace_path, drafter):
     if drafter is not None:
         raise ValueError("drafter: speculative decoding is not implemented for deepseek_v4 "
                          "(allowed None)")
-    return V4Runner(cfg, model)
+    return V4Runner(cfg, model, warmup_queries)
 
 
 def emit_tokens(append, decoding, out) -> None:

@@ -26,6 +26,8 @@ offload on equals off bit for bit); the prefill still runs on device. Each step 
 returns its counters, recorded at collect into `metrics` (an `OffloadMetrics` over every
 model layer, as the MLA engine's: lookups = hits + misses = the running requests'
 picks, h2d rows = misses; sliding and HCA layers keep no entries offloaded and stay 0).
+The admission warm-up is the MLA engine's (ESS): the prefill state records the CSA picks
+of its last `warmup_queries` queries and `install` loads them into the slot's hot buffer.
 
 On a mesh (expert and tensor axes; the engine runs under `jax.set_mesh`) the parameters
 are placed by their logical axes (`jlco.parallel.mesh.shard_model`, the routed experts
@@ -53,6 +55,7 @@ from jlco.config import Config
 from jlco.engine import prefill as engine_prefill
 from jlco.engine.decode import PendingDecode, StepKind, StepRecord, follow_inputs
 from jlco.engine.inputs import DecodeOutput, StepInputs, alternatives
+from jlco.engine.prefill import WARMUP_QUERIES
 from jlco.engine.scheduler import Request
 from jlco.model.deepseek_v4 import offload as v4_offload
 from jlco.model.deepseek_v4 import state as v4_state
@@ -260,12 +263,16 @@ class V4Runner:
     trace = None          # no top-k traces
     prefix = None         # no prefix cache
     spec = None           # no speculative decoding
-    warmup_rows = 0
 
-    def __init__(self, cfg: Config, model):
+    def __init__(self, cfg: Config, model, warmup_queries: int = WARMUP_QUERIES):
+        """warmup_queries (offloaded): how many final prefill queries' CSA picks warm a
+        new request's hot buffer (0 = none), as the MLA engine's admission warm-up."""
         if not cfg.is_v4:
             raise ValueError(f"V4Runner: model.model_type={cfg.model.model_type!r}; allowed "
                              "'deepseek_v4' (the MLA families run on ModelRunner)")
+        if isinstance(warmup_queries, bool) or not isinstance(warmup_queries, int) \
+                or warmup_queries < 0:
+            raise ValueError(f"warmup_queries={warmup_queries!r}: allowed an integer >= 0")
         self.cfg = cfg
         self.graphdef, self.params = nnx.split(model)
         self.batch, self.max_len = cfg.engine.max_batch_size, state_len(cfg)
@@ -276,6 +283,7 @@ class V4Runner:
         self._piece, self._install = _jit_piece, _jit_install
         self.piece_observers: list = []   # fn(job, start time) after each prefill piece
         self.offload = cfg.cache.offload
+        self.record = warmup_queries if self.offload else 0   # prefill picks kept
         if self.offload:
             self._offload()
 
@@ -302,6 +310,11 @@ class V4Runner:
         layer, as the MLA engine's, in `metrics`."""
         return v4_offload.entry_stats(self.state) if self.offload else None
 
+    @property
+    def warmup_rows(self) -> int:
+        """Rows the admission warm-ups fetched, all CSA layers (reads the state: a sync)."""
+        return self.entry_stats()["warmup_rows"] if self.offload else 0
+
     # ---- prefill ------------------------------------------------------------------
     def start_prefill(self, req: Request, page_row=None, *, record: bool = False
                       ) -> V4PrefillJob:
@@ -316,7 +329,8 @@ class V4Runner:
         """Run the job's next piece (queued, no sync) → its cost (its padded width)."""
         t0 = time.perf_counter()
         if job.cache is None:
-            job.cache = replicated(v4_state.init_state(self.cfg.model, 1, self.max_len))
+            job.cache = replicated(v4_state.init_state(self.cfg.model, 1, self.max_len,
+                                                       self.record))
         lo, hi, width = job.pieces[job.done_pieces]
         tokens = np.zeros((1, width), np.int32)
         tokens[0, :hi - lo] = job.tokens[lo:hi]
@@ -392,7 +406,7 @@ class V4Runner:
                          for _, _, w in v4_pieces(n, chunk)} | {chunk})
         total, done = len(widths) + 1, 0
         for w in widths:
-            one = replicated(v4_state.init_state(self.cfg.model, 1, self.max_len))
+            one = replicated(v4_state.init_state(self.cfg.model, 1, self.max_len, self.record))
             out, _ = self._piece(self.graphdef, self.params, one, np.zeros((1, w), np.int32),
                                  np.ones((1,), np.int32), full=False)
             jax.block_until_ready(out)

@@ -210,6 +210,31 @@ def test_offloaded_csa_entries_equal_on_device_bit_for_bit(loaded, greedy_run):
     assert sum(engine.metrics.snapshot()["per_layer"]["lookups"]) == stats["lookups"]
 
 
+@pytest.mark.slow
+def test_admission_warm_up_cuts_first_step_misses(loaded):
+    """cache.offload with the admission warm-up (the default 32 final prefill queries'
+    CSA picks in the new request's hot buffer) and without (warmup_queries=0): the same
+    tokens and log-probs bit for bit, each request's one decode step (2 new tokens) looks
+    up as many entries, and misses fewer of them (rows fetched at admission instead)."""
+    from jlco.engine.core import Engine
+    cfg = Config(model=loaded[0], cache=CacheConfig(prefix_cache=False, offload=True,
+                                                    hot_buffer_rows=6),
+                 engine=EngineConfig(**ENGINE))
+    prompts = [_prompt(n, i) for i, (n, _, _) in enumerate(WORKLOAD)]
+    runs = {}
+    for warm in (0, 32):
+        engine = Engine(cfg, loaded[1], warmup_queries=warm)
+        reqs = engine.generate(prompts, 2)
+        runs[warm] = ([(list(r.tokens), list(r.logprobs)) for r in reqs],
+                      engine.metrics.snapshot()["total"], engine.runner.warmup_rows)
+        engine.close()
+    (cold, cold_m, cold_rows), (warm, warm_m, warm_rows) = runs[0], runs[32]
+    assert warm == cold
+    assert cold_rows == 0 < warm_rows
+    assert warm_m["lookups"] == cold_m["lookups"] == cold_m["misses"] > 0   # cold: all miss
+    assert warm_m["misses"] < cold_m["misses"], (warm_m, cold_m)
+
+
 def _picks(cfg, requests) -> int:
     """CSA picks of one CSA layer over the decode steps of `requests` [(prompt length,
     new tokens)]: the query at position t sees (t + 1) // rate entries and picks up to

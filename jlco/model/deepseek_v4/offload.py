@@ -28,11 +28,12 @@ from jax.sharding import SingleDeviceSharding
 
 from jlco.offload.fetch import fetch_in_jit
 from jlco.offload.host_pool import host_row_ids, scatter_to_host
-from jlco.offload.hot_buffer import resolve
+from jlco.offload.hot_buffer import Resolution, resolve
 
 # Per store, summed over steps: picks resolved (distinct entries of the running slots), in
-# the hot buffer, fetched from the host pool, and host rows the padded fetch moved.
-STAT_NAMES = ("lookups", "hits", "misses", "h2d_moved_rows")
+# the hot buffer, fetched from the host pool, host rows the padded fetch moved, and rows
+# the admission warm-ups fetched (`OffloadEntries.warm`, outside the decode steps).
+STAT_NAMES = ("lookups", "hits", "misses", "h2d_moved_rows", "warmup_rows")
 
 
 @partial(jax.tree_util.register_dataclass,
@@ -81,7 +82,7 @@ class OffloadEntries:
         picked = rows[jnp.arange(b)[:, None, None], jnp.maximum(res.slot_ids, 0)]
         keys = jnp.where(ok[..., None], from_bytes(picked, self.dtype, self.width), 0)
         stats = self.stats + jnp.stack([res.n_lookup.sum(), res.n_hit.sum(),
-                                        res.n_miss.sum(), moved]).astype(jnp.int32)
+                                        res.n_miss.sum(), moved, 0]).astype(jnp.int32)
         return keys, dataclasses.replace(self, rows=rows, slot_pos=res.slot_pos,
                                          slot_stamp=res.slot_stamp, step=self.step + 1,
                                          stats=stats)
@@ -94,6 +95,41 @@ class OffloadEntries:
         return dataclasses.replace(
             self, host=scatter_to_host(self.host, ids, to_bytes(entries[0].astype(self.dtype))),
             slot_pos=self.slot_pos.at[slot].set(-1), slot_stamp=self.slot_stamp.at[slot].set(-1))
+
+
+    def warm(self, slot, record: jax.Array) -> "OffloadEntries":
+        """ESS's admission warm-up, as the MLA engine's (`jlco.engine.steps.warm_up`): the
+        picks of a prefill's last queries, record int32 [w, k] (oldest first, −1 none),
+        resolved in order into slot `slot`'s (empty) table, query q stamped step − w + q
+        (older than the next decode step), then every entry the table ends up holding
+        fetched from the host pool (which `install` has just written) in one gather."""
+        t, w = self.entries, record.shape[0]
+
+        def body(q, carry):
+            pos, stamp = carry
+            res = resolve(pos[None], stamp[None], record[q][None, None], self.step - w + q,
+                          self.policy, num_positions=t)
+            return res.slot_pos[0], res.slot_stamp[0]
+        pos, stamp = jax.lax.fori_loop(0, w, body, (self.slot_pos[slot], self.slot_stamp[slot]))
+        held = pos >= 0
+        plan = Resolution(   # load every held slot with its entry's row
+            slot_ids=None, miss_pos=jnp.where(held, pos, -1)[None],
+            victim_slot=jnp.where(held, jnp.arange(pos.shape[0], dtype=jnp.int32), -1)[None],
+            n_miss=held.sum(dtype=jnp.int32)[None], slot_pos=None, slot_stamp=None,
+            n_hit=None, n_lookup=None)
+        rows, _ = fetch_in_jit(self.rows, self.host, self.page_table[slot][None], plan, t,
+                               row_offset=slot)
+        return dataclasses.replace(
+            self, rows=rows, slot_pos=self.slot_pos.at[slot].set(pos),
+            slot_stamp=self.slot_stamp.at[slot].set(stamp),
+            stats=self.stats.at[STAT_NAMES.index("warmup_rows")].add(held.sum()))
+
+
+def oldest_first(picks: jax.Array, pos) -> jax.Array:
+    """A `picks` ring [w, k] (query p at row p % w) of a request at `pos` tokens → its
+    last w queries' picks, oldest first (rows before position 0: none, −1)."""
+    w = picks.shape[0]
+    return picks[(pos - w + jnp.arange(w)) % w]
 
 
 def to_bytes(x: jax.Array) -> jax.Array:
@@ -141,7 +177,8 @@ def offload_state(cfg, state: dict, capacity: int, storage: str = "pinned_host",
 
 def install(batch: dict, slot, one: dict) -> dict:
     """`state.install` for a batch whose CSA entries are offloaded: those go to the slot's
-    host rows (`OffloadEntries.install`), every other leaf into its slot."""
+    host rows (`OffloadEntries.install`), every other leaf into its slot; a prefill that
+    recorded its picks (`init_state(record=w)`) warms the slot's hot buffer with them."""
     def put(big, row):
         return big.at[slot].set(row[0])
     layers = []
@@ -154,6 +191,9 @@ def install(batch: dict, slot, one: dict) -> dict:
                                  entries=part["entries"].install(slot, small[name]["entries"]))
             else:
                 out[name] = jax.tree.map(put, part, small[name])
+        if "picks" in small and isinstance(out.get("comp", {}).get("entries"), OffloadEntries):
+            out["comp"]["entries"] = out["comp"]["entries"].warm(
+                slot, oldest_first(small["picks"][0], one["pos"][0]))
         layers.append(out)
     return {"pos": put(batch["pos"], one["pos"]), "layers": layers}
 

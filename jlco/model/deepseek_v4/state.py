@@ -13,6 +13,9 @@ c the compressor width, o = 2c with the CSA overlap, else c):
   `prev_kv` / `prev_gate` [b, m, c] (overlap only): the last complete window's Ca half,
   which the next entry pools with its own Cb half (zero / −inf before the first).
 `pos` [b]: tokens so far, the next token's position; each request has its own.
+With `init_state(record=w)` a CSA layer also keeps `picks` [b, w, k]: the entries its
+indexer picked for the last w queries (query p at row p % w, −1: none), which warm an
+offloaded hot buffer when the request is installed (`jlco.model.deepseek_v4.offload`).
 """
 
 from __future__ import annotations
@@ -40,8 +43,9 @@ def _comp_init(b: int, rate: int, width: int, overlap: bool, max_len: int, dt) -
     return st
 
 
-def init_state(cfg: V4Config, batch: int, max_len: int) -> dict:
-    """An empty state for `batch` requests of up to max_len tokens each."""
+def init_state(cfg: V4Config, batch: int, max_len: int, record: int = 0) -> dict:
+    """An empty state for `batch` requests of up to max_len tokens each; `record` > 0:
+    the CSA layers also keep the picks of the last `record` queries (a prefill's)."""
     dt, layers = dtype_of(cfg), []
     for i in range(cfg.num_hidden_layers):
         st = {"window": jnp.zeros((batch, cfg.sliding_window, cfg.head_dim), dt)}
@@ -51,6 +55,9 @@ def init_state(cfg: V4Config, batch: int, max_len: int) -> dict:
             st["comp"] = _comp_init(batch, rate, cfg.head_dim, csa, max_len, dt)
             if csa:
                 st["index"] = _comp_init(batch, rate, cfg.index_head_dim, True, max_len, dt)
+                if record:
+                    k = min(cfg.index_topk, max_len // rate)
+                    st["picks"] = jnp.full((batch, record, k), -1, jnp.int32)
         layers.append(st)
     return {"pos": jnp.zeros((batch,), jnp.int32), "layers": layers}
 
@@ -129,14 +136,20 @@ def _window_parts(window: jax.Array, kv: jax.Array, p0: jax.Array, w: int):
 def _window_write(window: jax.Array, kv: jax.Array, t: jax.Array, n):
     """The ring after the chunk's keys kv [b, s, D] at positions t [b, s]: the last W
     of them (n [b]: only a row's first n are real; None: all)."""
+    return _ring_write(window, kv, t, n)
+
+
+def _ring_write(ring: jax.Array, new: jax.Array, t: jax.Array, n):
+    """ring [b, W, ...] after new [b, s, ...] at positions t [b, s] (slot t % W): the
+    last W of them (n [b]: only a row's first n are real; None: all)."""
     b, s = t.shape
-    w, rows = window.shape[1], jnp.arange(b)[:, None]
+    w, rows = ring.shape[1], jnp.arange(b)[:, None]
     if n is None:
         keep = jnp.arange(max(s - w, 0), s)                           # distinct slots
-        return window.at[rows, t[:, keep] % w].set(kv[:, keep])
+        return ring.at[rows, t[:, keep] % w].set(new[:, keep])
     j = jnp.arange(s)[None, :]
     real = (j < n[:, None]) & (j >= n[:, None] - w)                   # distinct slots
-    return window.at[rows, jnp.where(real, t % w, w)].set(kv, mode="drop")
+    return ring.at[rows, jnp.where(real, t % w, w)].set(new, mode="drop")
 
 
 def attention_chunk(attn: V4Attention, st: dict, x: jax.Array, p0: jax.Array, n=None):
@@ -160,6 +173,8 @@ def attention_chunk(attn: V4Attention, st: dict, x: jax.Array, p0: jax.Array, n=
             iq, iw = attn.indexer.queries(x, qr, cos, sin)
             ids, ok = topk_picks(attn.indexer.scores(iq, iw, index["entries"]), visible,
                                  min(cfg.index_topk, cap))
+            if "picks" in st:
+                st["picks"] = _ring_write(st["picks"], jnp.where(ok, ids, -1), t, n)
             if not isinstance(comp["entries"], jax.Array):     # offloaded: gathered
                 ok = ok if n is None else ok & (jnp.arange(s) < n[:, None])[..., None]
                 keys, st["comp"] = _picked_entries(comp, rows, ids, ok)    # (pads: no
