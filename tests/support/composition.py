@@ -26,8 +26,8 @@ REFERENCE = ("one", 0, "off", False)
 
 # A pairwise-covering subset of the full matrix (an L9 orthogonal array over the four
 # factors, async's third level folded onto "on"): every pair of levels of any two
-# factors appears in some row (checked by the default tier). The slow tier runs all 54
-# on the f32 model and this subset on the bf16 model.
+# factors appears in some row (checked by the default tier). The slow tier runs it on
+# the f32 and the bf16 model; the exhaustive tier runs all 54 (tests/engine/test_composition.py).
 PAIRWISE = tuple((m, d, f, a) for m, d, f, a in (
     ("one", 0, "off", True), ("one", 1, "in_jit", False), ("one", 2, "host_driven", True),
     ("expert2", 0, "in_jit", True), ("expert2", 1, "host_driven", True),
