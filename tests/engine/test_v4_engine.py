@@ -19,6 +19,7 @@ import sys
 
 import numpy as np
 import pytest
+from tests.support.inprocess import serving
 
 from jlco.config import CacheConfig, Config, ConfigError, EngineConfig, MeshConfig
 from jlco.engine.v4_runner import state_len, v4_pieces
@@ -364,31 +365,16 @@ def test_engine_refuses_what_v4_does_not_run(loaded):
 def test_served_completions_equal_the_engine(loaded, greedy_run):
     """jlco.serve's app in-process over a V4 engine: /v1/completions with a token-id
     prompt answers the engine's greedy tokens, whole and streamed."""
-    from starlette.testclient import TestClient
-
-    from jlco.server.app import ServerState, create_app
-    from jlco.server.loop import EngineLoop
     _, reqs = greedy_run
     engine = _engine(loaded)
-    state = ServerState(model_name="v4", max_context_len=engine.cfg.engine.max_context_len,
-                        index_topk=engine.cfg.model.index_topk, engine=engine)
-    app = create_app(state)
-    loop = EngineLoop(engine, max_waiting=8, import_ttl_s=60.0,
-                      on_step=app.state.metrics.observe_step)
-    loop.start()
-    state.loop = loop
     body = dict(model="v4", prompt=_prompt(37, 0), max_tokens=12, temperature=0,
                 return_token_ids=True)
-    try:
-        with TestClient(app, base_url="http://testserver") as client:
-            whole = client.post("/v1/completions", json=body)
-            assert whole.status_code == 200, whole.text
-            got = whole.json()["choices"][0]["token_ids"]
-            with client.stream("POST", "/v1/completions", json=dict(body, stream=True)) as s:
-                lines = [ln[6:] for ln in s.iter_lines() if ln.startswith("data: ")]
-    finally:
-        loop.drain(1.0)
-        engine.close()
+    with serving(engine.cfg, name="v4", engine=engine) as (_, client):
+        whole = client.post("/v1/completions", json=body)
+        assert whole.status_code == 200, whole.text
+        got = whole.json()["choices"][0]["token_ids"]
+        with client.stream("POST", "/v1/completions", json=dict(body, stream=True)) as s:
+            lines = [ln[6:] for ln in s.iter_lines() if ln.startswith("data: ")]
     assert got == list(reqs[0].tokens)
     chunks = [json.loads(ln) for ln in lines if ln != "[DONE]"]
     streamed = [t for c in chunks for ch in c["choices"] for t in ch.get("token_ids") or []]
@@ -400,28 +386,13 @@ def test_served_metrics_show_the_csa_counters(loaded):
     """jlco.serve's app in-process over an offloaded V4 engine: after a completion,
     /metrics' jlco_cache_lookups / _hits / _misses per layer are the engine's counters
     (the CSA layers' picks; the sliding and HCA layers 0)."""
-    from starlette.testclient import TestClient
-
-    from jlco.server.app import ServerState, create_app
-    from jlco.server.loop import EngineLoop
     engine = _engine(loaded, cache__offload=True)
-    state = ServerState(model_name="v4", max_context_len=engine.cfg.engine.max_context_len,
-                        index_topk=engine.cfg.model.index_topk, engine=engine)
-    app = create_app(state)
-    loop = EngineLoop(engine, max_waiting=8, import_ttl_s=60.0,
-                      on_step=app.state.metrics.observe_step)
-    loop.start()
-    state.loop = loop
     body = dict(model="v4", prompt=_prompt(37, 0), max_tokens=12, temperature=0,
                 ignore_eos=True, return_token_ids=True)
-    try:
-        with TestClient(app, base_url="http://testserver") as client:
-            r = client.post("/v1/completions", json=body)
-            assert r.status_code == 200, r.text
-            text = client.get("/metrics").text
-    finally:
-        loop.drain(1.0)
-        engine.close()
+    with serving(engine.cfg, name="v4", engine=engine) as (_, client):
+        r = client.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        text = client.get("/metrics").text
     _assert_counters(engine, [(37, 12)])
     snap = engine.metrics.snapshot()["per_layer"]
     for name in ("lookups", "hits", "misses"):

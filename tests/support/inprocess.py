@@ -22,8 +22,10 @@ def tiny_config(**changes):
 
 
 @contextlib.contextmanager
-def serving(cfg, api_key: str | None = None, name: str = "tiny"):
-    """Yield (app, TestClient) over an engine of `cfg`; drained and closed at the end."""
+def serving(cfg, api_key: str | None = None, name: str = "tiny", engine=None):
+    """Yield (app, TestClient) over an engine of `cfg` (random weights, the byte-level
+    codec) or over `engine`, built on `cfg` by the caller (no codec: token-id prompts);
+    drained and closed at the end."""
     from flax import nnx
     from starlette.testclient import TestClient
 
@@ -33,10 +35,13 @@ def serving(cfg, api_key: str | None = None, name: str = "tiny"):
     from jlco.server.loop import EngineLoop
     from jlco.server.text import TextCodec
 
-    engine = Engine(cfg, DeepseekV32(cfg.model, rngs=nnx.Rngs(0)))
+    codec = None
+    if engine is None:
+        engine = Engine(cfg, DeepseekV32(cfg.model, rngs=nnx.Rngs(0)))
+        codec = TextCodec.byte_level(cfg.model.vocab_size)
     state = ServerState(model_name=name, max_context_len=cfg.engine.max_context_len,
                         api_key=api_key, index_topk=cfg.model.index_topk,
-                        codec=TextCodec.byte_level(cfg.model.vocab_size), engine=engine)
+                        codec=codec, engine=engine)
     app = create_app(state)
     loop = EngineLoop(engine, max_waiting=cfg.serve.max_queue,
                       import_ttl_s=cfg.serve.import_ttl_s,
