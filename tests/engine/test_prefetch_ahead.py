@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -46,7 +47,10 @@ def test_plan_prefetch_by_hand():
     11 and 12 get the empty slot 3 and then the oldest, slot 0 (position 3, stamp 1);
     both victims are flagged and stamped with the step; the prediction counts 3."""
     lat = _lat([[3, 7, 9, -1]], [[1, 4, 2, 0]], pref=[[False, False, True, False]])
-    new, res = latent.plan_prefetch(lat, 0, jnp.asarray([[[7, 11, 12]]], jnp.int32))
+    # jitted as the engine runs them (op by op these small programs take ~10 s to compile)
+    plan = jax.jit(latent.plan_prefetch, static_argnums=1)
+    resolve = jax.jit(latent.resolve_selection, static_argnums=1)
+    new, res = plan(lat, 0, jnp.asarray([[[7, 11, 12]]], jnp.int32))
     np.testing.assert_array_equal(np.asarray(res.miss_pos)[0, :2], [11, 12])
     assert sorted(np.asarray(res.victim_slot)[0, :2].tolist()) == [0, 3]
     np.testing.assert_array_equal(np.asarray(new.slot_pos)[0, 0], [11, 7, 9, 12])
@@ -58,8 +62,8 @@ def test_plan_prefetch_by_hand():
     # the real selection reads 11 and 9, both loaded ahead (11 by this prediction, 9
     # before): 2 hits, both prefetched and used; 12 stays flagged, unread; of the
     # predicted positions one (11) was selected
-    after, real = latent.resolve_selection(new, 0, jnp.asarray([[[11, 9]]], jnp.int32),
-                                           predicted=jnp.asarray([[[7, 11, 12]]], jnp.int32))
+    after, real = resolve(new, 0, jnp.asarray([[[11, 9]]], jnp.int32),
+                          predicted=jnp.asarray([[[7, 11, 12]]], jnp.int32))
     stats = dict(zip(latent.STAT_NAMES, np.asarray(after.stats)[0].tolist()))
     assert stats["lookups"] == 2 and stats["hits"] == 2 and stats["misses"] == 0
     assert stats["prefetch_used"] == 2 and stats["predicted_correct"] == 1
